@@ -1,0 +1,362 @@
+"""The configuration file of DESIGN.md as frozen dataclasses, validated once.
+
+One TOML file with the sections ``workload``, ``cluster``, ``queue``, ``target``, ``drafter``,
+``train``, ``metrics`` and ``sweep``. Flags override file values through :func:`with_overrides`,
+which rebuilds the dataclasses so the same validation runs on every value whatever its origin.
+Unknown sections and keys are errors: a typo must not silently fall back to a default.
+
+This module is torch-free: the simulator and the sweep import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import ConfigError
+
+POLICIES = ("fullest", "fifo", "random_item", "random_bucket", "proportional")
+GATES = ("threshold", "hysteresis")
+ORDERS = ("random", "length_grouped", "sorted")
+SAMPLES = ("conversation", "first_exchange")
+DRAFTER_SYNCS = ("step", "none")
+SWEEP_SAMPLERS = ("nsga2", "tpe", "grid")
+
+# Flags that alias file keys; the CLI uses this to name both in error lines.
+FLAG_FOR_KEY = {
+    "queue.min_ready": "--hs-min-ready",
+    "queue.max_depth": "--hs-max-depth",
+    "queue.max_bytes": "--hs-max-bytes",
+    "queue.policy": "--policy",
+    "queue.gate": "--gate",
+    "queue.items_per_take": "--items-per-take",
+}
+
+
+# --------------------------------------------------------------------------- value checks
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_int(key: str, v: object, lo: int | None = None, hi: int | None = None) -> int:
+    """An integer within [lo, hi]; the message states the range that was required."""
+    rng = _range_text(lo, hi)
+    if not _is_int(v):
+        raise ConfigError(key, f"must be an integer {rng}".rstrip(), v)
+    assert isinstance(v, int)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ConfigError(key, f"must be an integer {rng}", v)
+    return v
+
+
+def check_float(key: str, v: object, lo: float | None = None, hi: float | None = None,
+                *, lo_open: bool = False) -> float:
+    ok_type = (isinstance(v, (int, float)) and not isinstance(v, bool)
+               and math.isfinite(float(v)))  # type: ignore[arg-type]
+    lo_txt = f"> {lo}" if lo_open else f">= {lo}"
+    parts = [p for p in ((lo_txt if lo is not None else ""), (f"<= {hi}" if hi is not None else "")) if p]
+    rng = " and ".join(parts)
+    if not ok_type:
+        raise ConfigError(key, f"must be a number {rng}".rstrip(), v)
+    f = float(v)  # type: ignore[arg-type]
+    if lo is not None and (f <= lo if lo_open else f < lo):
+        raise ConfigError(key, f"must be a number {rng}", v)
+    if hi is not None and f > hi:
+        raise ConfigError(key, f"must be a number {rng}", v)
+    return f
+
+
+def check_choice(key: str, v: object, choices: tuple[str, ...]) -> str:
+    if not isinstance(v, str) or v not in choices:
+        raise ConfigError(key, f"must be one of {', '.join(choices)}", v)
+    return v
+
+
+def _range_text(lo: int | None, hi: int | None) -> str:
+    if lo is not None and hi is not None:
+        return f"in [{lo}, {hi}]"
+    if lo is not None:
+        return f">= {lo}"
+    if hi is not None:
+        return f"<= {hi}"
+    return ""
+
+
+# --------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """What the target reads and how the sampler turns sequences into queue items."""
+
+    dataset: str = "sharegpt"  # "sharegpt" = the packaged file; else a path to JSON/JSONL
+    sample: str = "conversation"
+    max_len: int = 2048
+    bucket_bounds: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    seqs_per_item: int | None = 8
+    tokens_per_item: int | None = None
+    order: str = "length_grouped"
+    mega_batch: int = 64
+    max_conversations: int | None = None  # a prefix of the data set, for short runs and tests
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dataset, str) or not self.dataset:
+            raise ConfigError("workload.dataset", "must be 'sharegpt' or a path to a JSON/JSONL file",
+                              self.dataset)
+        check_choice("workload.sample", self.sample, SAMPLES)
+        check_int("workload.max_len", self.max_len, 1)
+        bounds = self.bucket_bounds
+        if (not isinstance(bounds, (list, tuple)) or not bounds
+                or not all(_is_int(b) and b >= 1 for b in bounds)):
+            raise ConfigError("workload.bucket_bounds", "must be a non-empty list of positive integers",
+                              bounds)
+        if any(b2 <= b1 for b1, b2 in itertools.pairwise(bounds)):
+            raise ConfigError("workload.bucket_bounds", "must be strictly increasing", list(bounds))
+        if bounds[-1] != self.max_len:
+            raise ConfigError("workload.bucket_bounds",
+                              f"last bound must equal workload.max_len = {self.max_len}", list(bounds))
+        object.__setattr__(self, "bucket_bounds", tuple(bounds))
+        if (self.seqs_per_item is None) == (self.tokens_per_item is None):
+            raise ConfigError("workload.seqs_per_item",
+                              "set exactly one of seqs_per_item and tokens_per_item",
+                              (self.seqs_per_item, self.tokens_per_item))
+        if self.seqs_per_item is not None:
+            check_int("workload.seqs_per_item", self.seqs_per_item, 1)
+        if self.tokens_per_item is not None:
+            check_int("workload.tokens_per_item", self.tokens_per_item, self.max_len)
+        check_choice("workload.order", self.order, ORDERS)
+        check_int("workload.mega_batch", self.mega_batch, 1)
+        if self.max_conversations is not None:
+            check_int("workload.max_conversations", self.max_conversations, 1)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    n_target: int = 4
+    n_drafter: int = 4
+    drafter_sync: str = "step"
+
+    def __post_init__(self) -> None:
+        check_int("cluster.n_target", self.n_target, 1)
+        check_int("cluster.n_drafter", self.n_drafter, 1)
+        check_choice("cluster.drafter_sync", self.drafter_sync, DRAFTER_SYNCS)
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """The knobs of DESIGN.md's queue semantics; valid configs cannot deadlock."""
+
+    min_ready: int = 30
+    max_depth: int = 90
+    max_bytes: int | None = None
+    policy: str = "random_item"
+    gate: str = "threshold"
+    items_per_take: int = 1
+
+    def __post_init__(self) -> None:
+        check_int("queue.max_depth", self.max_depth, 1)
+        check_int("queue.min_ready", self.min_ready, 1, self.max_depth)
+        if self.max_bytes is not None:
+            check_int("queue.max_bytes", self.max_bytes, 1)
+        check_choice("queue.policy", self.policy, POLICIES)
+        check_choice("queue.gate", self.gate, GATES)
+        check_int("queue.items_per_take", self.items_per_take, 1)
+
+
+def default_gamma(block_size: int) -> float:
+    """DFlash's published loss decay: 7 for B=16, 5 for B=10, 4 for B=8; else B/16*7 rounded."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, round(7.0 * block_size / 16, 2))
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    model: str = "smollm2"  # "smollm2" = the packaged GGUF; else a local dir, hub id or .gguf
+    devices: tuple[str, ...] = ("cpu",)
+    capture_layers: int = 5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("target.model", "must be 'smollm2', a directory, a hub id or a .gguf path",
+                              self.model)
+        _check_devices("target.devices", self.devices)
+        object.__setattr__(self, "devices", tuple(self.devices))
+        check_int("target.capture_layers", self.capture_layers, 1)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    layers: int = 5
+    block_size: int = 16
+    anchors: int = 512
+    gamma: float | None = None  # None = default_gamma(block_size)
+    devices: tuple[str, ...] = ("cpu",)
+
+    def __post_init__(self) -> None:
+        check_int("drafter.layers", self.layers, 1)
+        check_int("drafter.block_size", self.block_size, 2)
+        check_int("drafter.anchors", self.anchors, 1)
+        if self.gamma is not None:
+            check_float("drafter.gamma", self.gamma, 0.0, lo_open=True)
+        _check_devices("drafter.devices", self.devices)
+        object.__setattr__(self, "devices", tuple(self.devices))
+
+    @property
+    def effective_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else default_gamma(self.block_size)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    checkpoint_every: int = 100
+
+    def __post_init__(self) -> None:
+        check_float("train.lr", self.lr, 0.0, lo_open=True)
+        check_float("train.warmup_ratio", self.warmup_ratio, 0.0, 1.0)
+        check_float("train.grad_clip", self.grad_clip, 0.0, lo_open=True)
+        if self.max_steps is not None:
+            check_int("train.max_steps", self.max_steps, 1)
+        if self.max_minutes is not None:
+            check_float("train.max_minutes", self.max_minutes, 0.0, lo_open=True)
+        check_int("train.checkpoint_every", self.checkpoint_every, 1)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    window: int = 32
+    warmup_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_int("metrics.window", self.window, 2)
+        check_float("metrics.warmup_s", self.warmup_s, 0.0)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Study settings; the search space itself is validated by ``tuning`` when it lands."""
+
+    memory_budget_gib: float | None = None
+    seeds_per_trial: int = 3
+    sampler: str = "nsga2"
+    top_k: int = 3
+    space: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_gib is not None:
+            check_float("sweep.memory_budget_gib", self.memory_budget_gib, 0.0, lo_open=True)
+        check_int("sweep.seeds_per_trial", self.seeds_per_trial, 1)
+        check_choice("sweep.sampler", self.sampler, SWEEP_SAMPLERS)
+        check_int("sweep.top_k", self.top_k, 1)
+        if not isinstance(self.space, dict):
+            raise ConfigError("sweep.space", "must be a table", self.space)
+
+
+def _check_devices(key: str, devices: object) -> None:
+    if isinstance(devices, str):
+        raise ConfigError(key, "must be a list such as [\"cpu\"] or [\"cuda:0\", \"cuda:1\"]", devices)
+    if not isinstance(devices, (list, tuple)) or not devices:
+        raise ConfigError(key, "must be a non-empty list of devices", devices)
+    for d in devices:
+        if not isinstance(d, str) or not (d == "cpu" or d == "cuda" or
+                                          (d.startswith("cuda:") and d[5:].isdigit())):
+            raise ConfigError(key, "each device must be 'cpu', 'cuda' or 'cuda:N'", d)
+
+
+SECTIONS: dict[str, type] = {
+    "workload": WorkloadConfig,
+    "cluster": ClusterConfig,
+    "queue": QueueConfig,
+    "target": TargetConfig,
+    "drafter": DrafterConfig,
+    "train": TrainConfig,
+    "metrics": MetricsConfig,
+    "sweep": SweepConfig,
+}
+
+
+@dataclass(frozen=True)
+class DflashConfig:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("seed", self.seed, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- loading
+def _build_section(name: str, table: object) -> Any:
+    cls = SECTIONS[name]
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{name}]", "must be a table", table)
+    known = {f.name for f in fields(cls)}
+    for key in table:
+        if key not in known:
+            raise ConfigError(f"{name}.{key}", f"unknown key; allowed: {', '.join(sorted(known))}",
+                              show_got=False)
+    values = {k: (tuple(v) if isinstance(v, list) and k != "space" else v) for k, v in table.items()}
+    return cls(**values)
+
+
+def config_from_dict(data: dict[str, Any]) -> DflashConfig:
+    """Build and validate a config from a TOML-shaped dict (sections plus an optional seed)."""
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "seed":
+            kwargs["seed"] = value
+        elif key in SECTIONS:
+            kwargs[key] = _build_section(key, value)
+        else:
+            raise ConfigError(f"[{key}]", f"unknown section; allowed: {', '.join(SECTIONS)}, seed",
+                              show_got=False)
+    return DflashConfig(**kwargs)
+
+
+def load_config(path: str | Path | None) -> DflashConfig:
+    """Read a TOML file (or the built-in defaults for None); every failure is a ConfigError."""
+    if path is None:
+        return DflashConfig()
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("--config", "must be an existing TOML file", str(path))
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError("--config", f"malformed TOML in {p}: {exc}", show_got=False) from None
+    return config_from_dict(data)
+
+
+def with_overrides(cfg: DflashConfig, overrides: dict[str, Any]) -> DflashConfig:
+    """Apply ``{"queue.min_ready": 10, "seed": 3}``-style overrides and re-validate everything."""
+    sections: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        if "." in dotted:
+            sec, key = dotted.split(".", 1)
+            sections.setdefault(sec, {})[key] = value
+        else:
+            top[dotted] = value
+    new_sections = {}
+    for sec, vals in sections.items():
+        current = dataclasses.asdict(getattr(cfg, sec))
+        current.update(vals)
+        new_sections[sec] = _build_section(sec, current)
+    return dataclasses.replace(cfg, **new_sections, **top)

@@ -1,0 +1,164 @@
+"""The data sampler: which sequences form which target micro-batch (item), in which order.
+
+Torch-free and deterministic under a seed, so the trainer and the simulator see the same item
+stream from the same token lengths. Items are formed inside one length bucket (by real, unpadded
+length) and each has a stable id ``"epoch:bucket:k"`` from which :meth:`Sampler.item` forms it
+again: that is how a resumed run re-produces the items that were in flight at a kill.
+
+Orders: ``random`` (a full shuffle of the epoch's items), ``length_grouped`` (HF-style: shuffle,
+cut into mega-batches, sort each by length, longest first: the source of "sawtooth" arrivals), and
+``sorted`` (ascending length over the whole epoch, the worst case).
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from dflash.config import WorkloadConfig
+
+
+def bucket_of(length: int, bounds: Sequence[int]) -> int:
+    """Index of the first upper bound >= length (lengths above the last bound are clipped to it)."""
+    return bisect.bisect_left(bounds, min(length, bounds[-1]))
+
+
+@dataclass(frozen=True, slots=True)
+class ItemSpec:
+    """One item before the target runs: its sequences and shape."""
+
+    item_id: str
+    bucket: int
+    seq_indices: tuple[int, ...]
+    real_tokens: int
+    padded_len: int
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.seq_indices)
+
+
+def parse_item_id(item_id: str) -> tuple[int, int, int]:
+    """``"epoch:bucket:k"`` -> (epoch, bucket, k); ValueError on anything else."""
+    parts = item_id.split(":")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"not a sampler item id: {item_id!r}")
+    e, b, k = (int(p) for p in parts)
+    return e, b, k
+
+
+class Sampler:
+    """Forms and orders items over token lengths; one epoch at a time, forever.
+
+    ``lengths`` are real token counts per sequence; they are clipped to ``workload.max_len``.
+    """
+
+    def __init__(self, lengths: Sequence[int], workload: WorkloadConfig, seed: int = 0) -> None:
+        if not lengths:
+            raise ValueError("the sampler needs at least one sequence length")
+        if any(int(n) < 1 for n in lengths):
+            raise ValueError("sequence lengths must be >= 1")
+        self.workload = workload
+        self.seed = seed
+        self.bounds = workload.bucket_bounds
+        self.n_buckets = len(self.bounds)
+        self.lengths = [min(int(n), workload.max_len) for n in lengths]
+        self.seq_bucket = [bucket_of(n, self.bounds) for n in self.lengths]
+        self._by_bucket = [[i for i, b in enumerate(self.seq_bucket) if b == bk]
+                           for bk in range(self.n_buckets)]
+        self._epoch = lru_cache(maxsize=4)(self._form_epoch)
+
+    # ---------------------------------------------------------------- formation
+    def _rng(self, epoch: int, salt: int) -> random.Random:
+        return random.Random((self.seed * 1_000_003 + epoch) * 7 + salt)
+
+    def _chunks(self, seqs: list[int]) -> list[list[int]]:
+        w = self.workload
+        if w.seqs_per_item is not None:
+            n = w.seqs_per_item
+            return [seqs[i:i + n] for i in range(0, len(seqs), n)]
+        budget = w.tokens_per_item
+        assert budget is not None
+        chunks: list[list[int]] = []
+        cur: list[int] = []
+        longest = 0
+        for s in seqs:
+            ln = self.lengths[s]
+            if cur and max(longest, ln) * (len(cur) + 1) > budget:
+                chunks.append(cur)
+                cur, longest = [], 0
+            cur.append(s)
+            longest = max(longest, ln)
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _form_epoch(self, epoch: int) -> tuple[ItemSpec, ...]:
+        """All items of one epoch, formed per bucket from a per-epoch shuffle, then ordered."""
+        form_rng = self._rng(epoch, 1)
+        items: list[ItemSpec] = []
+        for b, seqs in enumerate(self._by_bucket):
+            seqs = list(seqs)
+            form_rng.shuffle(seqs)
+            for k, chunk in enumerate(self._chunks(seqs)):
+                lens = [self.lengths[s] for s in chunk]
+                items.append(ItemSpec(f"{epoch}:{b}:{k}", b, tuple(chunk), sum(lens), max(lens)))
+        return tuple(self._order(items, self._rng(epoch, 2)))
+
+    def _order(self, items: list[ItemSpec], rng: random.Random) -> list[ItemSpec]:
+        order = self.workload.order
+        if order == "sorted":
+            return sorted(items, key=lambda it: (it.padded_len, it.item_id))
+        rng.shuffle(items)
+        if order == "random":
+            return items
+        m = self.workload.mega_batch
+        out: list[ItemSpec] = []
+        for i in range(0, len(items), m):
+            out.extend(sorted(items[i:i + m], key=lambda it: -it.padded_len))
+        return out
+
+    # ---------------------------------------------------------------- access
+    def epoch(self, epoch: int) -> tuple[ItemSpec, ...]:
+        """The ordered items of one epoch (cached: resume and replay re-form them cheaply)."""
+        if epoch < 0:
+            raise ValueError("epoch must be >= 0")
+        return self._epoch(epoch)
+
+    def item(self, item_id: str) -> ItemSpec:
+        """Form an item again from its id alone."""
+        e, b, k = parse_item_id(item_id)
+        for it in self.epoch(e):
+            if it.bucket == b and it.item_id == item_id:
+                return it
+        raise KeyError(f"no item {item_id!r} in epoch {e} (k={k})")
+
+    def iter_items(self, start_epoch: int = 0, start_index: int = 0) -> Iterator[ItemSpec]:
+        """Items in order from a position (the checkpointed sampler position), epoch after epoch."""
+        e, i = start_epoch, start_index
+        while True:
+            items = self.epoch(e)
+            while i < len(items):
+                yield items[i]
+                i += 1
+            e, i = e + 1, 0
+
+    def items_per_epoch(self) -> int:
+        return len(self.epoch(0))
+
+    def item_mix(self) -> list[float]:
+        """The item mix ``p``: the bucket distribution of one epoch's items."""
+        counts = [0] * self.n_buckets
+        for it in self.epoch(0):
+            counts[it.bucket] += 1
+        total = sum(counts)
+        return [c / total for c in counts]
+
+    def sequence_shares(self) -> list[float]:
+        """Share of sequences (not items) per bucket: what REFERENCE.md's measured shares describe."""
+        counts = [len(s) for s in self._by_bucket]
+        total = sum(counts)
+        return [c / total for c in counts]

@@ -1,0 +1,105 @@
+"""The sampler: formation inside buckets, stable ids, orders, determinism, item mix."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.config import WorkloadConfig
+from dflash.sampler import Sampler, bucket_of, parse_item_id
+from tests.conftest import SHAREGPT_BOUNDS, synthetic_lengths
+
+LENGTHS = synthetic_lengths(3000, seed=4)
+
+
+def wl(**kw) -> WorkloadConfig:
+    base = {"max_len": 2048, "bucket_bounds": SHAREGPT_BOUNDS, "seqs_per_item": 4}
+    base.update(kw)
+    return WorkloadConfig(**base)
+
+
+@pytest.mark.parametrize(("length", "bucket"), [(1, 0), (128, 0), (129, 1), (2048, 4), (9000, 4)])
+def test_bucket_of_uses_upper_bounds_and_clips(length: int, bucket: int) -> None:
+    assert bucket_of(length, SHAREGPT_BOUNDS) == bucket
+
+
+@pytest.mark.parametrize("order", ["random", "length_grouped", "sorted"])
+def test_deterministic_under_a_seed(order: str) -> None:
+    a = Sampler(LENGTHS, wl(order=order), seed=3).epoch(1)
+    b = Sampler(LENGTHS, wl(order=order), seed=3).epoch(1)
+    assert a == b
+    if order != "sorted":
+        other = Sampler(LENGTHS, wl(order=order), seed=4).epoch(1)
+        assert [i.item_id for i in a] != [i.item_id for i in other]
+
+
+def test_epochs_differ_and_each_covers_every_sequence_once() -> None:
+    s = Sampler(LENGTHS, wl(), seed=0)
+    for e in (0, 1):
+        seqs = [i for it in s.epoch(e) for i in it.seq_indices]
+        assert sorted(seqs) == list(range(len(LENGTHS)))
+    assert s.epoch(0) != s.epoch(1)
+
+
+def test_items_are_formed_inside_one_bucket_with_true_shapes() -> None:
+    s = Sampler(LENGTHS, wl(), seed=0)
+    for it in s.epoch(0):
+        lens = [s.lengths[i] for i in it.seq_indices]
+        assert {bucket_of(n, SHAREGPT_BOUNDS) for n in lens} == {it.bucket}
+        assert it.real_tokens == sum(lens) and it.padded_len == max(lens)
+        assert 1 <= it.n_seqs <= 4
+
+
+def test_stable_ids_form_the_same_item_again() -> None:
+    s = Sampler(LENGTHS, wl(), seed=9)
+    items = list(s.epoch(2))[:50]
+    fresh = Sampler(LENGTHS, wl(), seed=9)
+    for it in items:
+        assert fresh.item(it.item_id) == it
+        e, b, _ = parse_item_id(it.item_id)
+        assert (e, b) == (2, it.bucket)
+    with pytest.raises(ValueError):
+        parse_item_id("nope")
+
+
+def test_iter_items_resumes_from_a_position() -> None:
+    s = Sampler(LENGTHS, wl(), seed=1)
+    n = s.items_per_epoch()
+    it = s.iter_items()
+    full = [next(it).item_id for _ in range(n + 10)]
+    resumed = s.iter_items(start_epoch=0, start_index=n - 5)
+    assert [next(resumed).item_id for _ in range(15)] == full[n - 5:]
+
+
+def test_length_grouped_sorts_inside_mega_batches_longest_first() -> None:
+    s = Sampler(LENGTHS, wl(order="length_grouped", mega_batch=16), seed=0)
+    items = s.epoch(0)
+    for i in range(0, len(items), 16):
+        lens = [it.padded_len for it in items[i:i + 16]]
+        assert lens == sorted(lens, reverse=True)
+
+
+def test_sorted_order_is_ascending_over_the_epoch() -> None:
+    lens = [it.padded_len for it in Sampler(LENGTHS, wl(order="sorted"), seed=0).epoch(0)]
+    assert lens == sorted(lens)
+
+
+def test_tokens_per_item_respects_the_padded_budget() -> None:
+    s = Sampler(LENGTHS, wl(seqs_per_item=None, tokens_per_item=4096), seed=0)
+    for it in s.epoch(0):
+        assert it.padded_len * it.n_seqs <= 4096 or it.n_seqs == 1
+    short = [it for it in s.epoch(0) if it.bucket == 0]
+    assert max(it.n_seqs for it in short) > 4  # short sequences pack more per item
+
+
+def test_item_mix_is_the_epochs_bucket_distribution() -> None:
+    s = Sampler(LENGTHS, wl(seqs_per_item=1), seed=0)
+    assert s.item_mix() == pytest.approx(s.sequence_shares())
+    assert sum(s.item_mix()) == pytest.approx(1.0)
+    assert s.item_mix()[4] > 0.6  # long-bucket heavy, like the packaged ShareGPT
+
+
+def test_rejects_empty_or_invalid_lengths() -> None:
+    with pytest.raises(ValueError):
+        Sampler([], wl())
+    with pytest.raises(ValueError):
+        Sampler([0, 5], wl())
