@@ -101,6 +101,13 @@ class WorkloadConfig:
     order: str = "length_grouped"
     mega_batch: int = 64
     max_conversations: int | None = None  # a prefix of the data set, for short runs and tests
+    # Where the simulator gets sequence lengths: "dataset" (the data set above, tokenised and
+    # cached), "lognormal" (length_median, length_sigma, n_sequences), or a path to a lengths file
+    # (a JSON list of lengths) or histogram file ({"bins": [[lo, hi, count], ...]}).
+    lengths: str = "dataset"
+    length_median: float = 1800.0
+    length_sigma: float = 0.6
+    n_sequences: int = 20000
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset:
@@ -131,6 +138,16 @@ class WorkloadConfig:
         check_int("workload.mega_batch", self.mega_batch, 1)
         if self.max_conversations is not None:
             check_int("workload.max_conversations", self.max_conversations, 1)
+        if not isinstance(self.lengths, str) or not self.lengths:
+            raise ConfigError("workload.lengths",
+                              "must be 'dataset', 'lognormal' or a path to a lengths file", self.lengths)
+        if self.lengths not in ("dataset", "lognormal") and not Path(self.lengths).is_file():
+            raise ConfigError("workload.lengths",
+                              "must be 'dataset', 'lognormal' or an existing lengths/histogram file",
+                              self.lengths)
+        check_float("workload.length_median", self.length_median, 1.0)
+        check_float("workload.length_sigma", self.length_sigma, 0.0)
+        check_int("workload.n_sequences", self.n_sequences, 1)
 
 
 @dataclass(frozen=True)
@@ -258,6 +275,73 @@ class SweepConfig:
             raise ConfigError("sweep.space", "must be a table", self.space)
 
 
+NOISE_MODELS = ("deterministic", "exponential", "lognormal", "empirical")
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    """The simulator's compute-time model (replaced by ``--calibration``).
+
+    Target forward time per item: ``target_fixed_s + target_per_token_s * n_seqs * padded_len
+    + target_per_token2_s * n_seqs * padded_len**2`` (a padded micro-batch: linear layers plus
+    attention). Drafter step time per take: ``drafter_fixed_s + drafter_per_token_s * tokens
+    + drafter_per_anchor_s * anchors`` with anchors = min(drafter.anchors, response tokens) per
+    sequence. Each is multiplied by a noise factor of mean 1.
+
+    Defaults: an H200 node with an 8B-class target and a ~1B DFlash drafter, from REFERENCE.md's
+    SpecForge figures. Target: ~27K prefill tokens/s per capture GPU -> 37 us/token, 5 ms fixed.
+    Drafter: the reported 53 ms fixed cost, with the per-anchor cost derived from the measured
+    ~7 samples/s per trainer GPU at 512 anchors per sample (0.27 ms/anchor). The reported 0.73
+    ms/anchor would give ~2.3 samples/s; we trust the measured throughput instead.
+    """
+
+    target_fixed_s: float = 0.005
+    target_per_token_s: float = 3.7e-5
+    target_per_token2_s: float = 0.0
+    target_noise: str = "lognormal"
+    target_cv: float = 0.10
+    target_samples: tuple[float, ...] = ()
+    drafter_fixed_s: float = 0.053
+    drafter_per_token_s: float = 0.0
+    drafter_per_anchor_s: float = 2.7e-4
+    drafter_noise: str = "lognormal"
+    drafter_cv: float = 0.05
+    drafter_samples: tuple[float, ...] = ()
+    response_fraction: float = 0.5  # share of a sequence's tokens that are response (anchor) tokens
+    burst_amplitude: float = 0.0  # supply burstiness: target time x (1 + A sin(2 pi t / period))
+    burst_period_s: float = 20.0
+    hidden_size: int = 4096  # of the target: queue bytes per token = layers x hidden x dtype bytes
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for role in ("target", "drafter"):
+            for part in ("fixed_s", "per_token_s", "per_token2_s", "per_anchor_s"):
+                key = f"{role}_{part}"
+                if hasattr(self, key):
+                    check_float(f"timing.{key}", getattr(self, key), 0.0)
+            noise = check_choice(f"timing.{role}_noise", getattr(self, f"{role}_noise"), NOISE_MODELS)
+            check_float(f"timing.{role}_cv", getattr(self, f"{role}_cv"), 0.0)
+            samples = getattr(self, f"{role}_samples")
+            if not isinstance(samples, (list, tuple)) or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in samples):
+                raise ConfigError(f"timing.{role}_samples", "must be a list of positive numbers", samples)
+            object.__setattr__(self, f"{role}_samples", tuple(float(x) for x in samples))
+            if noise == "empirical" and not samples:
+                raise ConfigError(f"timing.{role}_samples",
+                                  f"must be non-empty when timing.{role}_noise = 'empirical'", samples)
+        if self.target_fixed_s + self.target_per_token_s + self.target_per_token2_s <= 0:
+            raise ConfigError("timing.target_fixed_s", "target time terms must not all be zero",
+                              self.target_fixed_s)
+        if self.drafter_fixed_s + self.drafter_per_token_s + self.drafter_per_anchor_s <= 0:
+            raise ConfigError("timing.drafter_fixed_s", "drafter time terms must not all be zero",
+                              self.drafter_fixed_s)
+        check_float("timing.response_fraction", self.response_fraction, 0.0, 1.0, lo_open=True)
+        check_float("timing.burst_amplitude", self.burst_amplitude, 0.0, 0.95)
+        check_float("timing.burst_period_s", self.burst_period_s, 0.0, lo_open=True)
+        check_int("timing.hidden_size", self.hidden_size, 1)
+        check_int("timing.dtype_bytes", self.dtype_bytes, 1)
+
+
 def _check_devices(key: str, devices: object) -> None:
     if isinstance(devices, str):
         raise ConfigError(key, "must be a list such as [\"cpu\"] or [\"cuda:0\", \"cuda:1\"]", devices)
@@ -278,6 +362,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "metrics": MetricsConfig,
     "sweep": SweepConfig,
+    "timing": TimingConfig,
 }
 
 
@@ -291,6 +376,7 @@ class DflashConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    timing: TimingConfig = field(default_factory=TimingConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:

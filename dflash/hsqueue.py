@@ -59,7 +59,7 @@ class HSQueue:
         self._clock = clock
         self._t0 = clock()
         self._log_takes = log_takes
-        self._take_log: list[TakeLogEntry] = []
+        self._take_log: list[tuple[Any, ...]] = []
         self._stopped = False
         self._waiting_producers = 0
         self._waiting_drafters = 0
@@ -81,29 +81,38 @@ class HSQueue:
         """
         core = self._core
         with self._lock:
-            t0 = self.now()
-            if not self._stopped and not core.fits(item):
-                core.block(worker, item.nbytes)
-                self._notify_drafters()  # the gate opens while a producer is blocked at the cap
-                deadline = None if timeout is None else time.monotonic() + timeout
-                self._waiting_producers += 1
-                try:
-                    while not self._stopped and not core.fits(item):
-                        if not self._space.wait(self._remaining(deadline)) and self._expired(deadline):
-                            raise QueueTimeout(f"producer {worker} blocked at the cap for {timeout} s")
-                finally:
-                    self._waiting_producers -= 1
-                    core.unblock(worker)
+            t0 = self._clock() - self._t0
+            if not self._stopped and core.try_put(item, t0):
+                if self._waiting_drafters and core.gate() is not None:
+                    self._ready.notify()
+                return 0.0
+            if not self._stopped:
+                self._wait_for_space(core, item, worker, timeout)
             if self._stopped:
                 core.counters.discarded_at_stop += 1
                 self._refused_at_stop += 1
                 return None
-            t1 = self.now()
+            t1 = self._clock() - self._t0
             blocked = t1 - t0
             self.producer_blocked_s += blocked
             core.put(item, t1)
-            self._notify_drafters()
+            if self._waiting_drafters and core.gate() is not None:
+                self._ready.notify()
             return blocked
+
+    def _wait_for_space(self, core: QueueCore, item: QueueItem, worker: int,
+                        timeout: float | None) -> None:
+        core.block(worker, item.nbytes)
+        self._notify_drafters()  # the gate opens while a producer is blocked at the cap
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._waiting_producers += 1
+        try:
+            while not self._stopped and not core.fits(item):
+                if not self._space.wait(self._remaining(deadline)) and self._expired(deadline):
+                    raise QueueTimeout(f"producer {worker} blocked at the cap for {timeout} s")
+        finally:
+            self._waiting_producers -= 1
+            core.unblock(worker)
 
     def close(self) -> None:
         """Producers are done; drafters drain what is queued, then ``take`` returns None."""
@@ -120,39 +129,49 @@ class HSQueue:
         """
         core = self._core
         with self._lock:
-            t0 = self.now()
+            t0 = self._clock() - self._t0
             reason = core.gate()
             if reason is None:
-                deadline = None if timeout is None else time.monotonic() + timeout
-                self._waiting_drafters += 1
-                try:
-                    while reason is None:
-                        if self._stopped or (core.closed and core.depth == 0):
-                            return None
-                        if not self._ready.wait(self._remaining(deadline)) and self._expired(deadline):
-                            raise QueueTimeout(f"drafter {drafter} waited at the gate for {timeout} s")
-                        reason = core.gate()
-                finally:
-                    self._waiting_drafters -= 1
-            if self._stopped:
-                return None
-            t1 = self.now()
+                reason = self._wait_for_gate(core, drafter, timeout)
+                if reason is None:
+                    return None
+                t1 = self._clock() - self._t0
+            else:
+                t1 = t0
             depth_before = core.depth
             bucket_depths = tuple(core.counts) if self._log_takes else ()
-            bucket, entries = core.take(t1)
+            bucket, items = core.take(t1)
             wait = t1 - t0
             self.drafter_wait_s += wait
-            items = [e.item for e in entries]
             self.in_flight += len(items)
             if self._log_takes:
-                self._take_log.append(TakeLogEntry(
-                    t1, drafter, step, tuple(i.item_id for i in items), bucket, wait,
-                    depth_before, bucket_depths, reason))
+                # A flat tuple of atoms (no list, no object): the cyclic GC untracks it, so a long
+                # take log costs no collection time. The record object is built when read.
+                ids = (items[0].item_id,) if len(items) == 1 else tuple(i.item_id for i in items)
+                self._take_log.append((t1, drafter, step, ids, bucket, wait, depth_before,
+                                       bucket_depths, reason))
             if self._waiting_producers:
                 self._space.notify_all()
-            if core.depth and self._waiting_drafters:
+            if self._waiting_drafters and core.depth:
                 self._ready.notify()
             return items
+
+    def _wait_for_gate(self, core: QueueCore, drafter: int, timeout: float | None) -> str | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._waiting_drafters += 1
+        try:
+            while True:
+                if self._stopped or (core.closed and core.depth == 0):
+                    return None
+                if not self._ready.wait(self._remaining(deadline)) and self._expired(deadline):
+                    raise QueueTimeout(f"drafter {drafter} waited at the gate for {timeout} s")
+                if self._stopped:
+                    return None
+                reason = core.gate()
+                if reason is not None:
+                    return reason
+        finally:
+            self._waiting_drafters -= 1
 
     def task_done(self, items: Sequence[QueueItem]) -> None:
         """A drafter finished training on taken items (they count as trained)."""
@@ -196,13 +215,13 @@ class HSQueue:
 
     def take_log(self) -> list[TakeLogEntry]:
         with self._lock:
-            return list(self._take_log)
+            return [_entry(raw) for raw in self._take_log]
 
     def drain_take_log(self) -> list[TakeLogEntry]:
         """Hand over and forget the take log so far (the trainer appends it to its JSONL records)."""
         with self._lock:
             log, self._take_log = self._take_log, []
-            return log
+        return [_entry(raw) for raw in log]
 
     def stats(self) -> dict[str, Any]:
         """Counters for the summary record.
@@ -244,3 +263,7 @@ class HSQueue:
     @staticmethod
     def _expired(deadline: float | None) -> bool:
         return deadline is not None and time.monotonic() >= deadline
+
+
+def _entry(raw: tuple[Any, ...]) -> TakeLogEntry:
+    return TakeLogEntry(*raw)

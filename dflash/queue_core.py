@@ -38,13 +38,9 @@ class QueueItem:
     payload: Any = None
 
 
-@dataclass(slots=True)
-class Entry:
-    """A queued item with its global put sequence number and put time."""
-
-    seq: int
-    t_put: float
-    item: QueueItem
+# A queued entry is a plain tuple (global put sequence number, put time, item): it is created and
+# read on every put and take, and a tuple is several times cheaper than any object.
+Entry = tuple[int, float, QueueItem]
 
 
 @dataclass
@@ -112,23 +108,31 @@ class QueueCore:
     def blocked_bytes(self) -> int:
         return sum(self.blocked.values())
 
+    def try_put(self, item: QueueItem, t: float) -> bool:
+        """``fits`` then ``put`` in one call (the uncontended hot path of the threaded queue)."""
+        if self.fits(item):
+            self.put(item, t)
+            return True
+        return False
+
     def put(self, item: QueueItem, t: float) -> None:
         if self.closed:
             raise RuntimeError("put after close(): producers have closed the queue")
         if not 0 <= item.bucket < self.n_buckets:
             raise ValueError(f"item bucket {item.bucket} outside 0..{self.n_buckets - 1}")
-        self.buckets[item.bucket].append(Entry(self._seq, t, item))
+        b = item.bucket
+        self.buckets[b].append((self._seq, t, item))
         self._seq += 1
-        self.counts[item.bucket] += 1
-        self.depth += 1
-        self.queued_bytes += item.nbytes
+        self.counts[b] += 1
+        depth = self.depth = self.depth + 1
+        qbytes = self.queued_bytes = self.queued_bytes + item.nbytes
         c = self.counters
-        c.produced[item.bucket] += 1
-        if self.depth > c.max_depth_seen:
-            c.max_depth_seen = self.depth
-        if self.queued_bytes > c.peak_queued_bytes:
-            c.peak_queued_bytes = self.queued_bytes
-        if self.depth >= self.config.min_ready:
+        c.produced[b] += 1
+        if depth > c.max_depth_seen:
+            c.max_depth_seen = depth
+        if qbytes > c.peak_queued_bytes:
+            c.peak_queued_bytes = qbytes
+        if depth >= self.config.min_ready:
             self.latched = True
 
     def close(self) -> None:
@@ -148,37 +152,40 @@ class QueueCore:
             return GATE_READY if self.latched else None
         return GATE_READY if self.depth >= self.config.min_ready else None
 
-    def take(self, t: float) -> tuple[int, list[Entry]]:
+    def take(self, t: float) -> tuple[int, list[QueueItem]]:
         """Remove min(count, items_per_take) oldest items of the bucket the policy picks."""
         if self.depth == 0:
             raise RuntimeError("take from an empty queue")
-        heads = [q[0].seq if q else NO_HEAD for q in self.buckets]
-        b = self.policy.choose(self.counts, heads, self.depth, self.rng)
+        policy = self.policy
+        heads = ([q[0][0] if q else NO_HEAD for q in self.buckets] if policy.needs_heads else ())
+        b = policy.choose(self.counts, heads, self.depth, self.rng)
         q = self.buckets[b]
         if not q:
-            raise AssertionError(f"policy {self.policy.name} chose empty bucket {b}")
+            raise AssertionError(f"policy {policy.name} chose empty bucket {b}")
         n = min(len(q), self.config.items_per_take)
-        entries = [q.popleft() for _ in range(n)]
+        entries = [q.popleft()] if n == 1 else [q.popleft() for _ in range(n)]
         self.counts[b] -= n
         self.depth -= n
         c = self.counters
         c.taken[b] += n
         c.takes += 1
         ages = c.per_bucket_max_age_s
-        for e in entries:
-            self.queued_bytes -= e.item.nbytes
-            age = t - e.t_put
-            if age > ages[b]:
-                ages[b] = age
+        items = []
+        for _, t_put, item in entries:
+            items.append(item)
+            self.queued_bytes -= item.nbytes
+            if t - t_put > ages[b]:
+                ages[b] = t - t_put
         if self.depth == 0:
             self.latched = False
-        self.policy.on_take(b, n)
-        return b, entries
+        if policy.stateful:
+            policy.on_take(b, n)
+        return b, items
 
     # ---------------------------------------------------------------- stopping and state
     def discard_all(self) -> list[QueueItem]:
         """Stop: everything still queued is discarded (counted), not trained."""
-        items = [e.item for q in self.buckets for e in q]
+        items = [e[2] for q in self.buckets for e in q]
         for q in self.buckets:
             q.clear()
         self.counts = [0] * self.n_buckets
@@ -189,8 +196,8 @@ class QueueCore:
 
     def queued_ids(self) -> list[str]:
         """Ids of queued items in put order (for checkpoints: they must be produced again on resume)."""
-        entries = sorted((e for q in self.buckets for e in q), key=lambda e: e.seq)
-        return [e.item.item_id for e in entries]
+        entries = sorted((e for q in self.buckets for e in q), key=lambda e: e[0])
+        return [e[2].item_id for e in entries]
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs besides the items themselves: the RNG and the policy state."""

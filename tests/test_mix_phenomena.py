@@ -33,10 +33,10 @@ def held_depth_run(policy: str, depth: int, sampler: Sampler, takes: int = 4000,
         core.put(QueueItem(spec.item_id, spec.bucket, padded_len=spec.padded_len), 0.0)
     buckets, lens = [], []
     for _ in range(takes):
-        b, entries = core.take(0.0)
-        for e in entries:
+        b, taken = core.take(0.0)
+        for item in taken:
             buckets.append(b)
-            lens.append(e.item.padded_len)
+            lens.append(item.padded_len)
         spec = next(arrivals)
         core.put(QueueItem(spec.item_id, spec.bucket, padded_len=spec.padded_len), 0.0)
     return mix_metrics(buckets, lens, buckets, p, window=W)

@@ -38,7 +38,7 @@ def test_takes_only_from_nonempty_buckets_with_specified_sizes(buckets: list[int
         b, entries = core.take(t=100.0)
         assert before[b] > 0, "policy chose an empty bucket"
         assert len(entries) == min(before[b], per_take)
-        assert all(e.item.bucket == b for e in entries)
+        assert all(item.bucket == b for item in entries)
 
 
 @settings(max_examples=60, deadline=None)
@@ -50,7 +50,7 @@ def test_oldest_first_inside_a_bucket(buckets: list[int], per_take: int, seed: i
     seen: dict[int, list[int]] = {}
     while core.depth:
         b, entries = core.take(t=100.0)
-        seen.setdefault(b, []).extend(e.seq for e in entries)
+        seen.setdefault(b, []).extend(int(item.item_id[1:]) for item in entries)  # ids are i<put order>
     for b, seqs in seen.items():
         assert seqs == sorted(seqs), f"bucket {b} not taken oldest first"
 
@@ -65,7 +65,7 @@ def _take_log(name: str, seed: int) -> list[tuple[int, tuple[str, ...]]]:
             core.put(make_item(i, rng.choices(range(5), [0.05, 0.05, 0.1, 0.2, 0.6])[0]), t=i)
             i += 1
         b, entries = core.take(t=i)
-        log.append((b, tuple(e.item.item_id for e in entries)))
+        log.append((b, tuple(item.item_id for item in entries)))
     return log
 
 

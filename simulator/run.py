@@ -1,0 +1,170 @@
+"""One simulated run: producers and drafters as SimPy processes around the shared queue core.
+
+Producers draw items from the trainer's sampler, "compute" them for the target time model, and
+put them (blocking after service at the cap). Drafters take through the policy and "train" for the
+drafter time model; synchronised drafters wait for the slowest at the end of every step. Both write
+DESIGN.md's records (in memory; to disk with ``records_dir``), and metrics come from those records
+through :func:`dflash.runmetrics.run_metrics`, the function the trainer's records go through too.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import simpy
+
+from dflash.config import DflashConfig
+from dflash.queue_core import QueueCore, QueueItem
+from dflash.records import SCHEMA_VERSION, RecordWriter
+from dflash.runmetrics import run_metrics
+from dflash.sampler import Sampler
+from simulator.engine import QueueGet, SimHSQueue, StepBarrier, item_stream
+from simulator.timing import DrafterTime, TargetTime, anchors_for
+
+
+@dataclass
+class SimResult:
+    metrics: dict[str, Any]
+    summary: dict[str, Any]
+    produce: list[dict[str, Any]] = field(repr=False)
+    take: list[dict[str, Any]] = field(repr=False)
+    item_mix: list[float] = field(default_factory=list)
+    bucket_bounds: tuple[int, ...] = ()
+    wall_s: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"metrics": self.metrics, "summary": self.summary, "item_mix": self.item_mix,
+                "bucket_bounds": list(self.bucket_bounds), "wall_s": self.wall_s}
+
+
+def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_items: int | None = None,
+             records_dir: str | Path | None = None, run_id: str | None = None) -> SimResult:
+    """Run the pipeline for ``sim_seconds`` simulated seconds (or until ``max_items`` are drained)."""
+    wall0 = time.perf_counter()
+    env = simpy.Environment()
+    q = cfg.queue
+    n_target, n_drafter = cfg.cluster.n_target, cfg.cluster.n_drafter
+    sync = cfg.cluster.drafter_sync == "step"
+    mix = sampler.item_mix()
+    core = QueueCore(q, sampler.n_buckets, mix=mix, seed=cfg.seed)
+    seed_rng = random.Random(cfg.seed + 7919)
+    target_time = TargetTime(cfg.timing, random.Random(seed_rng.random()))
+    drafter_time = DrafterTime(cfg.timing, random.Random(seed_rng.random()))
+    bytes_per_token = cfg.target.capture_layers * cfg.timing.hidden_size * cfg.timing.dtype_bytes
+    lengths = sampler.lengths
+
+    produce: list[dict[str, Any]] = []
+    take: list[dict[str, Any]] = []
+    item_shape: dict[str, tuple[int, int, int]] = {}  # id -> (real_tokens, n_seqs, anchors)
+    held: dict[int, list[QueueItem]] = {}  # drafter -> items in its current step
+    blocked: dict[int, QueueItem] = {}  # producer -> item held at the cap
+
+    def on_take(ev: QueueGet, items: list[QueueItem], reason: str, depth_before: int,
+                bucket_depths: tuple[int, ...]) -> None:
+        now = env.now
+        tokens = n_seqs = anchors = 0
+        for it in items:
+            rt, ns, an = item_shape[it.item_id]
+            tokens += rt
+            n_seqs += ns
+            anchors += an
+        compute = ev.compute_s = drafter_time(tokens, anchors)
+        take.append({"t": now, "drafter": ev.index, "step": ev.step,
+                     "item_ids": [it.item_id for it in items], "bucket": items[0].bucket,
+                     "wait_s": now - ev.t_request, "depth_before": depth_before,
+                     "bucket_depths": list(bucket_depths), "gate": reason, "compute_s": compute,
+                     "tokens": tokens, "n_seqs": n_seqs, "anchors": anchors})
+
+    queue = SimHSQueue(env, core, on_take)
+    stream = item_stream(sampler.iter_items(), max_items)
+    producers_left = [n_target]
+
+    def producer(w: int) -> Any:
+        for spec in stream:
+            t0 = env.now
+            yield env.timeout(target_time(spec.n_seqs, spec.padded_len, t0))
+            t1 = env.now
+            nbytes = spec.n_seqs * spec.padded_len * bytes_per_token
+            item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len,
+                             nbytes)
+            item_shape[spec.item_id] = (spec.real_tokens, spec.n_seqs,
+                                        anchors_for([lengths[i] for i in spec.seq_indices],
+                                                    cfg.timing, cfg.drafter))
+            blocked[w] = item
+            blocked_s = yield queue.put(item, w)
+            del blocked[w]
+            produce.append({"t": t1, "item_id": spec.item_id, "worker": w, "bucket": spec.bucket,
+                            "n_seqs": spec.n_seqs, "real_tokens": spec.real_tokens,
+                            "padded_len": spec.padded_len, "t_start": t0, "t_end": t1,
+                            "blocked_s": blocked_s, "bytes": nbytes})
+        producers_left[0] -= 1
+        if producers_left[0] == 0:
+            queue.close()
+
+    barrier = StepBarrier(env, n_drafter) if sync else None
+    step_no = [0]
+    trained = [0]
+
+    def drafter(d: int) -> Any:
+        while True:
+            step = step_no[0]
+            request = queue.get(d, step)
+            items = yield request
+            if items is not None:
+                held[d] = items
+                yield env.timeout(request.compute_s)
+                del held[d]
+                trained[0] += len(items)
+            if barrier is not None:
+                if d == 0:
+                    step_no[0] += 1
+                yield barrier.wait()
+            elif items is not None:
+                step_no[0] += 1
+            if items is None:
+                return
+
+    for w in range(n_target):
+        env.process(producer(w))
+    for d in range(n_drafter):
+        env.process(drafter(d))
+    env.run(until=sim_seconds)
+    close_t = min(env.now, sim_seconds)
+
+    # Stop: queued items and items held at the cap are discarded; steps in progress complete.
+    in_steps = sum(len(v) for v in held.values())
+    queued_at_stop = core.depth
+    stranded = {"queued": queued_at_stop, "blocked_producers": len(blocked),
+                "gate_open_at_stop": core.gate() is not None}
+    core.discard_all()
+    summary = {
+        "produced": len(produce) + len(blocked), "trained": trained[0] + in_steps,
+        "discarded_at_stop": queued_at_stop + len(blocked), "replayed": 0,
+        "takes": len(take), "steps": step_no[0], "stranded": stranded,
+        "drained": core.closed and queued_at_stop == 0,
+    }
+    metrics = run_metrics(produce, take, p=mix, min_ready=q.min_ready, window=cfg.metrics.window,
+                          warmup_s=cfg.metrics.warmup_s, close_t=close_t, n_target=n_target,
+                          n_drafter=n_drafter, n_buckets=sampler.n_buckets)
+    metrics["peak_queue_bytes"] = core.counters.peak_queued_bytes
+    metrics["loss_roughness"] = None  # predicted only by a calibrated simulator (issue #7)
+    result = SimResult(metrics, summary, produce, take, mix, sampler.bounds,
+                       time.perf_counter() - wall0)
+    if records_dir is not None:
+        write_records(result, records_dir, run_id or f"sim-{uuid.uuid4().hex[:8]}", close_t)
+    return result
+
+
+def write_records(result: SimResult, out_dir: str | Path, run_id: str, close_t: float) -> None:
+    """The run's records in the shared schema (``source = "sim"``)."""
+    with RecordWriter(out_dir, run_id, "sim") as w:
+        for r in sorted(result.produce, key=lambda r: r["t"]):
+            w.write("produce", **r)
+        for r in result.take:
+            w.write("take", **r)
+        w.write("summary", t=close_t, **result.summary, schema=SCHEMA_VERSION)

@@ -1,0 +1,95 @@
+"""Compute-time models: how long a target forward and a drafter step take, with noise.
+
+The simulator simulates only time; everything else is the trainer's own code. A model is the mean
+time from the work's shape times a noise factor of mean 1, so calibration (``dflash calibrate``)
+can fit the two halves separately: the linear terms by least squares, the factor from residuals.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dflash.config import DrafterConfig, TimingConfig
+
+
+class Noise:
+    """Multiplicative noise of mean 1: deterministic, exponential, lognormal (given CV), empirical."""
+
+    def __init__(self, kind: str, cv: float, samples: Sequence[float], rng: random.Random) -> None:
+        self.kind = kind
+        self.rng = rng
+        if kind == "lognormal":
+            self.sigma = math.sqrt(math.log1p(cv * cv))
+            self.mu = -0.5 * self.sigma * self.sigma
+        if kind == "empirical":
+            mean = sum(samples) / len(samples)
+            self.samples = [s / mean for s in samples]  # rescaled to mean 1
+
+    def draw(self) -> float:
+        k = self.kind
+        if k == "deterministic":
+            return 1.0
+        if k == "lognormal":
+            return self.rng.lognormvariate(self.mu, self.sigma) if self.sigma > 0 else 1.0
+        if k == "exponential":
+            return self.rng.expovariate(1.0)
+        return self.samples[int(self.rng.random() * len(self.samples))]
+
+
+@dataclass(frozen=True)
+class ItemShape:
+    """What the time models need of an item."""
+
+    n_seqs: int
+    real_tokens: int
+    padded_len: int
+    anchors: int
+
+
+def anchors_for(seq_lengths: Sequence[int], timing: TimingConfig, drafter: DrafterConfig) -> int:
+    """Anchors of one item: per sequence min(drafter.anchors, response tokens that can start a block)."""
+    total = 0
+    for n in seq_lengths:
+        response = int(n * timing.response_fraction)
+        total += max(1, min(drafter.anchors, response - drafter.block_size + 1))
+    return total
+
+
+class TargetTime:
+    """Seconds one target worker needs to produce an item (a padded micro-batch forward)."""
+
+    def __init__(self, timing: TimingConfig, rng: random.Random) -> None:
+        self.a = timing.target_fixed_s
+        self.b = timing.target_per_token_s
+        self.c = timing.target_per_token2_s
+        self.noise = Noise(timing.target_noise, timing.target_cv, timing.target_samples, rng)
+        self.burst_a = timing.burst_amplitude
+        self.burst_w = 2.0 * math.pi / timing.burst_period_s
+
+    def mean(self, n_seqs: int, padded_len: int) -> float:
+        return self.a + n_seqs * padded_len * (self.b + self.c * padded_len)
+
+    def __call__(self, n_seqs: int, padded_len: int, now: float) -> float:
+        t = self.mean(n_seqs, padded_len) * self.noise.draw()
+        if self.burst_a:
+            t *= 1.0 + self.burst_a * math.sin(self.burst_w * now)
+        return t
+
+
+class DrafterTime:
+    """Seconds one drafter worker needs for one step on the items of one take."""
+
+    def __init__(self, timing: TimingConfig, rng: random.Random) -> None:
+        self.a = timing.drafter_fixed_s
+        self.b = timing.drafter_per_token_s
+        self.c = timing.drafter_per_anchor_s
+        self.noise = Noise(timing.drafter_noise, timing.drafter_cv, timing.drafter_samples, rng)
+
+    def mean(self, tokens: int, anchors: int) -> float:
+        return self.a + self.b * tokens + self.c * anchors
+
+    def __call__(self, tokens: int, anchors: int) -> float:
+        return self.mean(tokens, anchors) * self.noise.draw()

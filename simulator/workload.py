@@ -1,0 +1,61 @@
+"""Sequence lengths for the simulator, turned into items by the trainer's own sampler.
+
+Three sources (``[workload] lengths``): the configured data set's cached token lengths (needs the
+tokenizer once, never again), a lengths or histogram file, or a lognormal distribution. Whatever
+the source, items come from :class:`dflash.sampler.Sampler`, the same code the trainer uses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+from dflash.config import WorkloadConfig
+from dflash.errors import ConfigError
+from dflash.sampler import Sampler
+
+
+def _from_histogram(bins: list, seed: int, n: int) -> list[int]:
+    """Draw ``n`` lengths uniformly inside histogram bins weighted by their counts."""
+    try:
+        rows = [(int(lo), int(hi), float(c)) for lo, hi, c in bins]
+    except (TypeError, ValueError):
+        raise ConfigError("workload.lengths", 'histogram bins must be [[lo, hi, count], ...]',
+                          show_got=False) from None
+    if not rows or any(lo < 1 or hi < lo or c < 0 for lo, hi, c in rows) or sum(c for *_, c in rows) <= 0:
+        raise ConfigError("workload.lengths", "histogram bins need 1 <= lo <= hi and counts >= 0, sum > 0",
+                          show_got=False)
+    rng = random.Random(seed)
+    weights = [c for *_, c in rows]
+    picks = rng.choices(rows, weights=weights, k=n)
+    return [rng.randint(lo, hi) for lo, hi, _ in picks]
+
+
+def load_lengths(workload: WorkloadConfig, model: str = "smollm2", seed: int = 0) -> list[int]:
+    """Untruncated sequence lengths from the configured source."""
+    src = workload.lengths
+    if src == "dataset":
+        from dflash.lengths import cached_lengths
+
+        return list(cached_lengths(workload, model=model).lengths)
+    if src == "lognormal":
+        rng = random.Random(seed)
+        mu, sigma = math.log(workload.length_median), workload.length_sigma
+        return [max(1, round(rng.lognormvariate(mu, sigma))) for _ in range(workload.n_sequences)]
+    path = Path(src)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise ConfigError("workload.lengths", "must be a readable JSON lengths or histogram file",
+                          src) from None
+    if isinstance(data, dict) and "bins" in data:
+        return _from_histogram(data["bins"], seed, workload.n_sequences)
+    from dflash.lengths import load_lengths_file
+
+    return list(load_lengths_file(path).lengths)
+
+
+def make_sampler(workload: WorkloadConfig, model: str = "smollm2", seed: int = 0) -> Sampler:
+    return Sampler(load_lengths(workload, model, seed), workload, seed=seed)
