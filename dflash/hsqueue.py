@@ -82,11 +82,11 @@ class HSQueue:
         core = self._core
         with self._lock:
             t0 = self._clock() - self._t0
-            if not self._stopped and core.try_put(item, t0):
+            if not self._stopped and not core.blocked and core.try_put(item, t0):
                 if self._waiting_drafters and core.gate() is not None:
                     self._ready.notify()
                 return 0.0
-            if not self._stopped:
+            if not self._stopped and not core.admissible(worker, item):
                 self._wait_for_space(core, item, worker, timeout)
             if self._stopped:
                 core.counters.discarded_at_stop += 1
@@ -98,6 +98,8 @@ class HSQueue:
             core.put(item, t1)
             if self._waiting_drafters and core.gate() is not None:
                 self._ready.notify()
+            if self._waiting_producers:  # the next blocked producer in index order may fit now
+                self._space.notify_all()
             return blocked
 
     def _wait_for_space(self, core: QueueCore, item: QueueItem, worker: int,
@@ -107,7 +109,7 @@ class HSQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._waiting_producers += 1
         try:
-            while not self._stopped and not core.fits(item):
+            while not self._stopped and not core.admissible(worker, item):
                 if not self._space.wait(self._remaining(deadline)) and self._expired(deadline):
                     raise QueueTimeout(f"producer {worker} blocked at the cap for {timeout} s")
         finally:

@@ -93,10 +93,26 @@ class QueueCore:
 
         An item always fits an empty queue, so a byte cap smaller than one item cannot deadlock.
         """
+        return self._fits_bytes(item.nbytes)
+
+    def admissible(self, producer: int, item: QueueItem) -> bool:
+        """May this producer put now? Its item fits and no lower-index blocked producer's does.
+
+        This is DESIGN.md's "among producers by worker index": when a take frees room, blocked
+        producers enter in index order. The threaded queue and the SimPy engine both obey it.
+        """
+        if not self.fits(item):
+            return False
+        for other, nbytes in self.blocked.items():
+            if other < producer and self._fits_bytes(nbytes):
+                return False
+        return True
+
+    def _fits_bytes(self, nbytes: int) -> bool:
         if self.depth >= self.config.max_depth:
             return False
         mb = self.config.max_bytes
-        return mb is None or self.depth == 0 or self.queued_bytes + item.nbytes <= mb
+        return mb is None or self.depth == 0 or self.queued_bytes + nbytes <= mb
 
     def block(self, producer: int, nbytes: int) -> None:
         self.blocked[producer] = nbytes

@@ -2,7 +2,9 @@
 
 One function for both sources is the point: a simulated and a measured ``throughput_tokens_per_s``
 or ``mix_efficiency`` are the same computation over the same record fields, so comparing them is a
-join. Torch-free.
+join. Records are held column-wise in a :class:`RunTrace` (the simulator appends plain tuples, a
+real run's JSONL records convert with :meth:`RunTrace.from_records`), and metrics are numpy
+reductions over the columns. Torch-free.
 
 The steady-state span runs from max(warmup_s, first time depth >= min_ready) until producers close.
 Time fractions are over that span, per worker; intervals are clipped to it.
@@ -11,83 +13,133 @@ Time fractions are over that span, per worker; intervals are clipped to it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from dflash.mixmetrics import mix_metrics
 
 Record = Mapping[str, Any]
 
-
-def depth_series(produce: Sequence[Record], take: Sequence[Record]) -> list[tuple[float, int, int]]:
-    """(t, depth, queued_bytes) after every put and take, in time order (puts first on ties)."""
-    events: list[tuple[float, int, int, int]] = []
-    size: dict[str, int] = {}
-    for r in produce:
-        put_t = r["t_end"] + r["blocked_s"]
-        size[r["item_id"]] = r["bytes"]
-        events.append((put_t, 0, 1, r["bytes"]))
-    for r in take:
-        nb = sum(size.get(i, 0) for i in r["item_ids"])
-        events.append((r["t"], 1, -len(r["item_ids"]), -nb))
-    events.sort(key=lambda e: (e[0], e[1]))
-    out = []
-    depth = qbytes = 0
-    for t, _, dd, db in events:
-        depth += dd
-        qbytes += db
-        out.append((t, depth, qbytes))
-    return out
+PRODUCE_FIELDS = ("t", "item_id", "worker", "bucket", "n_seqs", "real_tokens", "padded_len", "t_start",
+                  "t_end", "blocked_s", "bytes")
+TAKE_FIELDS = ("t", "drafter", "step", "item_ids", "bucket", "wait_s", "depth_before", "bucket_depths",
+               "gate", "compute_s", "tokens", "n_seqs", "anchors")
 
 
-def steady_state_span(series: Sequence[tuple[float, int, int]], min_ready: int, warmup_s: float,
+class RunTrace:
+    """The produce and take records of one run as rows of tuples in the field orders above."""
+
+    def __init__(self) -> None:
+        self.produce_rows: list[tuple[Any, ...]] = []
+        self.take_rows: list[tuple[Any, ...]] = []
+
+    @classmethod
+    def from_records(cls, produce: Iterable[Record], take: Iterable[Record]) -> RunTrace:
+        trace = cls()
+        trace.produce_rows = [tuple(r.get(f) for f in PRODUCE_FIELDS) for r in produce]
+        trace.take_rows = [tuple(r.get(f) for f in TAKE_FIELDS) for r in take]
+        return trace
+
+    def produce_records(self) -> Iterator[dict[str, Any]]:
+        for row in self.produce_rows:
+            yield dict(zip(PRODUCE_FIELDS, row))
+
+    def take_records(self) -> Iterator[dict[str, Any]]:
+        for row in self.take_rows:
+            yield dict(zip(TAKE_FIELDS, row))
+
+    def produce_column(self, name: str) -> list[Any]:
+        i = PRODUCE_FIELDS.index(name)
+        return [row[i] for row in self.produce_rows]
+
+    def take_column(self, name: str) -> list[Any]:
+        i = TAKE_FIELDS.index(name)
+        return [row[i] for row in self.take_rows]
+
+    def columns(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """All columns at once (one transpose each, in C)."""
+        pc = dict(zip(PRODUCE_FIELDS, zip(*self.produce_rows))) if self.produce_rows else \
+            {f: () for f in PRODUCE_FIELDS}
+        tc = dict(zip(TAKE_FIELDS, zip(*self.take_rows))) if self.take_rows else \
+            {f: () for f in TAKE_FIELDS}
+        return pc, tc
+
+
+class DepthSeries:
+    """Queue depth and queued bytes after every put and take (puts first on ties), as arrays."""
+
+    def __init__(self, put_t: np.ndarray, put_bytes: np.ndarray, take_t: np.ndarray,
+                 take_items: np.ndarray, take_bytes: np.ndarray) -> None:
+        n_put, n_take = len(put_t), len(take_t)
+        t = np.concatenate([put_t, take_t])
+        dd = np.concatenate([np.ones(n_put, dtype=np.int64), -take_items.astype(np.int64)])
+        db = np.concatenate([put_bytes.astype(np.int64), -take_bytes.astype(np.int64)])
+        kind = np.concatenate([np.zeros(n_put, dtype=np.int8), np.ones(n_take, dtype=np.int8)])
+        order = np.lexsort((kind, t))  # by time, puts before takes at one instant
+        self.t = t[order]
+        self.depth = np.cumsum(dd[order])
+        self.bytes = np.cumsum(db[order])
+
+    def rows(self) -> list[tuple[float, int, int]]:
+        return list(zip(self.t.tolist(), self.depth.tolist(), self.bytes.tolist()))
+
+    def first_time_at_least(self, depth: int) -> float | None:
+        hit = np.flatnonzero(self.depth >= depth)
+        return float(self.t[hit[0]]) if hit.size else None
+
+    def time_weighted_mean(self, start: float, end: float, values: np.ndarray) -> float:
+        """Mean of the step function (value holds until the next change) over [start, end]."""
+        if end <= start:
+            return math.nan
+        i0 = int(np.searchsorted(self.t, start, side="right"))  # changes up to start set the value
+        i1 = int(np.searchsorted(self.t, end, side="left"))
+        v0 = values[i0 - 1] if i0 > 0 else 0
+        ts = np.concatenate([[start], self.t[i0:i1], [end]])
+        vs = np.concatenate([[v0], values[i0:i1]])
+        return float(np.dot(np.diff(ts), vs) / (end - start))
+
+
+def steady_state_span(series: DepthSeries, min_ready: int, warmup_s: float,
                       close_t: float) -> tuple[float, float] | None:
     """(start, end) of the steady state, or None if depth never reached min_ready before close."""
-    first = next((t for t, d, _ in series if d >= min_ready), None)
+    first = series.first_time_at_least(min_ready)
     if first is None:
         return None
     start = max(warmup_s, first)
     return (start, close_t) if close_t > start else None
 
 
-def clipped(intervals: Iterable[tuple[float, float]], start: float, end: float) -> float:
-    """Total length of the intervals inside [start, end]."""
-    total = 0.0
-    for a, b in intervals:
-        lo, hi = max(a, start), min(b, end)
-        if hi > lo:
-            total += hi - lo
-    return total
+def clipped(a: Iterable[float], b: Iterable[float], start: float, end: float) -> float:
+    """Total length of the intervals [a_i, b_i] inside [start, end]."""
+    lo = np.maximum(np.fromiter(a, dtype=float), start)
+    hi = np.minimum(np.fromiter(b, dtype=float), end)
+    return float(np.clip(hi - lo, 0.0, None).sum())
 
 
-def time_weighted_mean(series: Sequence[tuple[float, int, int]], start: float, end: float,
-                       field: int = 1) -> float:
-    """Mean of a step function (value holds until the next change) over [start, end]."""
-    if end <= start:
-        return math.nan
-    area, prev_t, prev_v = 0.0, start, 0
-    for row in series:
-        t, v = row[0], row[field]
-        if t <= start:
-            prev_v = v
-            continue
-        if t >= end:
-            break
-        area += prev_v * (t - prev_t)
-        prev_t, prev_v = t, v
-    area += prev_v * (end - prev_t)
-    return area / (end - start)
-
-
-def run_metrics(produce: Sequence[Record], take: Sequence[Record], *, p: Sequence[float],
-                min_ready: int, window: int, warmup_s: float, close_t: float, n_target: int,
-                n_drafter: int, n_buckets: int) -> dict[str, Any]:
+def run_metrics(trace: RunTrace, *, p: Sequence[float], min_ready: int, window: int, warmup_s: float,
+                close_t: float, n_target: int, n_drafter: int, n_buckets: int) -> dict[str, Any]:
     """Every DESIGN.md metric that the produce and take records determine.
 
     Take records must carry ``compute_s`` (the drafter's compute time for that take), ``tokens``
     and ``n_seqs``; the trained work of a take counts when its compute ends inside the span.
     """
-    series = depth_series(produce, take)
+    pc, tc = trace.columns()
+    f8 = np.float64
+    t_start, t_end = np.asarray(pc["t_start"], f8), np.asarray(pc["t_end"], f8)
+    blocked = np.asarray(pc["blocked_s"], f8)
+    put_t = t_end + blocked
+    item_index = {iid: k for k, iid in enumerate(pc["item_id"])}
+    nbytes = np.asarray(pc["bytes"], np.int64)
+    padded = pc["padded_len"]
+    take_t = np.asarray(tc["t"], f8)
+    take_ids = tc["item_ids"]
+    take_items = np.fromiter(map(len, take_ids), np.int64, len(take_ids))
+    take_idx = [[item_index.get(i, -1) for i in ids] for ids in take_ids]
+    take_bytes = np.fromiter((sum(int(nbytes[k]) for k in ks if k >= 0) for ks in take_idx), np.int64,
+                             len(take_idx))
+    series = DepthSeries(put_t, nbytes, take_t, take_items, take_bytes)
     span = steady_state_span(series, min_ready, warmup_s, close_t)
     out: dict[str, Any] = {"steady_state_start_s": None, "steady_state_end_s": close_t,
                            "window": window, "min_ready": min_ready, "warmup_s": warmup_s}
@@ -99,39 +151,47 @@ def run_metrics(produce: Sequence[Record], take: Sequence[Record], *, p: Sequenc
     out.update(steady_state_start_s=start, steady_state_end_s=end, steady_state_reached=True,
                span_s=length)
 
-    done = [(r["t"] + r["compute_s"], r) for r in take]
-    in_span = [(t_done, r) for t_done, r in done if start < t_done <= end]
-    out["throughput_tokens_per_s"] = sum(r["tokens"] for _, r in in_span) / length
-    out["samples_per_s"] = sum(r["n_seqs"] for _, r in in_span) / length
-    out["items_per_s"] = sum(len(r["item_ids"]) for _, r in in_span) / length
-    out["drafter_utilization"] = clipped(((r["t"], t) for t, r in done), start, end) / (n_drafter * length)
-    out["drafter_gate_wait_frac"] = clipped(((r["t"] - r["wait_s"], r["t"]) for r in take),
-                                            start, end) / (n_drafter * length)
-    out["target_utilization"] = clipped(((r["t_start"], r["t_end"]) for r in produce),
-                                        start, end) / (n_target * length)
-    out["producer_blocked_frac"] = clipped(((r["t_end"], r["t_end"] + r["blocked_s"]) for r in produce),
-                                           start, end) / (n_target * length)
-    out["mean_queue_depth"] = time_weighted_mean(series, start, end, 1)
-    out["mean_queue_bytes"] = time_weighted_mean(series, start, end, 2)
-    out["peak_queue_bytes"] = max((b for _, _, b in series), default=0)
-    out["max_queue_depth"] = max((d for _, d, _ in series), default=0)
+    t_done = take_t + np.asarray(tc["compute_s"], f8)
+    in_span = (t_done > start) & (t_done <= end)
+    out["throughput_tokens_per_s"] = float(np.asarray(tc["tokens"], f8)[in_span].sum()) / length
+    out["samples_per_s"] = float(np.asarray(tc["n_seqs"], f8)[in_span].sum()) / length
+    out["items_per_s"] = float(take_items[in_span].sum()) / length
+    wait = np.asarray(tc["wait_s"], f8)
+    out["drafter_utilization"] = clipped(take_t, t_done, start, end) / (n_drafter * length)
+    out["drafter_gate_wait_frac"] = clipped(take_t - wait, take_t, start, end) / (n_drafter * length)
+    out["target_utilization"] = clipped(t_start, t_end, start, end) / (n_target * length)
+    out["producer_blocked_frac"] = clipped(t_end, put_t, start, end) / (n_target * length)
+    out["mean_queue_depth"] = series.time_weighted_mean(start, end, series.depth)
+    out["mean_queue_bytes"] = series.time_weighted_mean(start, end, series.bytes)
+    out["peak_queue_bytes"] = int(series.bytes.max()) if series.bytes.size else 0
+    out["max_queue_depth"] = int(series.depth.max()) if series.depth.size else 0
 
-    padded = {r["item_id"]: r["padded_len"] for r in produce}
-    put_t = {r["item_id"]: r["t_end"] + r["blocked_s"] for r in produce}
-    steady_takes = [r for r in take if r["t"] >= start]
-    item_buckets = [r["bucket"] for r in steady_takes for _ in r["item_ids"]]
-    item_lens = [padded.get(i, 0) for r in steady_takes for i in r["item_ids"]]
-    mm = mix_metrics(item_buckets, item_lens, [r["bucket"] for r in steady_takes], p, window)
+    first = int(np.searchsorted(take_t, start, side="left"))  # takes are in time order
+    take_buckets = tc["bucket"]
+    steady_buckets = take_buckets[first:]
+    item_buckets = [b for b, ks in zip(steady_buckets, take_idx[first:]) for _ in ks]
+    item_lens = [padded[k] if k >= 0 else 0 for ks in take_idx[first:] for k in ks]
+    mm = mix_metrics(item_buckets, item_lens, steady_buckets, p, window)
     out.update(mm.as_dict())
-    ages = [0.0] * n_buckets
-    taken_ids = set()
-    for r in take:
-        for i in r["item_ids"]:
-            taken_ids.add(i)
-            if i in put_t:
-                ages[r["bucket"]] = max(ages[r["bucket"]], r["t"] - put_t[i])
-    for r in produce:  # never taken: it waited at least until the close (starvation shows here)
-        if r["item_id"] not in taken_ids and put_t[r["item_id"]] <= close_t:
-            ages[r["bucket"]] = max(ages[r["bucket"]], close_t - put_t[r["item_id"]])
-    out["max_item_age_s"] = ages
+    out["max_item_age_s"] = _max_item_age(put_t, pc["bucket"], take_t, take_buckets, take_idx, close_t,
+                                          n_buckets)
     return out
+
+
+def _max_item_age(put_t: np.ndarray, put_bucket: Sequence[int], take_t: np.ndarray,
+                  take_bucket: Sequence[int], take_idx: list[list[int]], close_t: float,
+                  n_buckets: int) -> list[float]:
+    """Longest wait per bucket; an item never taken waited at least until the close (starvation)."""
+    ages = [0.0] * n_buckets
+    taken = np.zeros(len(put_t), dtype=bool)
+    for t, b, ks in zip(take_t.tolist(), take_bucket, take_idx):
+        for k in ks:
+            if k >= 0:
+                taken[k] = True
+                age = t - put_t[k]
+                if age > ages[b]:
+                    ages[b] = float(age)
+    for k in np.flatnonzero(~taken & (put_t <= close_t)).tolist():
+        b = put_bucket[k]
+        ages[b] = max(ages[b], float(close_t - put_t[k]))
+    return ages

@@ -35,10 +35,7 @@ class ItemSpec:
     seq_indices: tuple[int, ...]
     real_tokens: int
     padded_len: int
-
-    @property
-    def n_seqs(self) -> int:
-        return len(self.seq_indices)
+    n_seqs: int
 
 
 def parse_item_id(item_id: str) -> tuple[int, int, int]:
@@ -69,7 +66,8 @@ class Sampler:
         self.seq_bucket = [bucket_of(n, self.bounds) for n in self.lengths]
         self._by_bucket = [[i for i, b in enumerate(self.seq_bucket) if b == bk]
                            for bk in range(self.n_buckets)]
-        self._epoch = lru_cache(maxsize=4)(self._form_epoch)
+        # Epochs are formed once and kept: a sweep runs many simulations over one sampler.
+        self._epoch = lru_cache(maxsize=64)(self._form_epoch)
 
     # ---------------------------------------------------------------- formation
     def _rng(self, epoch: int, salt: int) -> random.Random:
@@ -105,7 +103,7 @@ class Sampler:
             form_rng.shuffle(seqs)
             for k, chunk in enumerate(self._chunks(seqs)):
                 lens = [self.lengths[s] for s in chunk]
-                items.append(ItemSpec(f"{epoch}:{b}:{k}", b, tuple(chunk), sum(lens), max(lens)))
+                items.append(ItemSpec(f"{epoch}:{b}:{k}", b, tuple(chunk), sum(lens), max(lens), len(chunk)))
         return tuple(self._order(items, self._rng(epoch, 2)))
 
     def _order(self, items: list[ItemSpec], rng: random.Random) -> list[ItemSpec]:

@@ -21,7 +21,7 @@ import simpy
 from dflash.config import DflashConfig
 from dflash.queue_core import QueueCore, QueueItem
 from dflash.records import SCHEMA_VERSION, RecordWriter
-from dflash.runmetrics import run_metrics
+from dflash.runmetrics import RunTrace, run_metrics
 from dflash.sampler import Sampler
 from simulator.engine import QueueGet, SimHSQueue, StepBarrier, item_stream
 from simulator.timing import DrafterTime, TargetTime, anchors_for
@@ -31,11 +31,18 @@ from simulator.timing import DrafterTime, TargetTime, anchors_for
 class SimResult:
     metrics: dict[str, Any]
     summary: dict[str, Any]
-    produce: list[dict[str, Any]] = field(repr=False)
-    take: list[dict[str, Any]] = field(repr=False)
+    trace: RunTrace = field(repr=False)
     item_mix: list[float] = field(default_factory=list)
     bucket_bounds: tuple[int, ...] = ()
     wall_s: float = 0.0
+
+    @property
+    def produce(self) -> list[dict[str, Any]]:
+        return list(self.trace.produce_records())
+
+    @property
+    def take(self) -> list[dict[str, Any]]:
+        return list(self.trace.take_records())
 
     def as_json(self) -> dict[str, Any]:
         return {"metrics": self.metrics, "summary": self.summary, "item_mix": self.item_mix,
@@ -56,10 +63,10 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     target_time = TargetTime(cfg.timing, random.Random(seed_rng.random()))
     drafter_time = DrafterTime(cfg.timing, random.Random(seed_rng.random()))
     bytes_per_token = cfg.target.capture_layers * cfg.timing.hidden_size * cfg.timing.dtype_bytes
-    lengths = sampler.lengths
+    seq_anchors = [anchors_for([n], cfg.timing, cfg.drafter) for n in sampler.lengths]
 
-    produce: list[dict[str, Any]] = []
-    take: list[dict[str, Any]] = []
+    trace = RunTrace()
+    produce_rows, take_rows = trace.produce_rows, trace.take_rows  # field orders: dflash.runmetrics
     item_shape: dict[str, tuple[int, int, int]] = {}  # id -> (real_tokens, n_seqs, anchors)
     held: dict[int, list[QueueItem]] = {}  # drafter -> items in its current step
     blocked: dict[int, QueueItem] = {}  # producer -> item held at the cap
@@ -74,11 +81,9 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
             n_seqs += ns
             anchors += an
         compute = ev.compute_s = drafter_time(tokens, anchors)
-        take.append({"t": now, "drafter": ev.index, "step": ev.step,
-                     "item_ids": [it.item_id for it in items], "bucket": items[0].bucket,
-                     "wait_s": now - ev.t_request, "depth_before": depth_before,
-                     "bucket_depths": list(bucket_depths), "gate": reason, "compute_s": compute,
-                     "tokens": tokens, "n_seqs": n_seqs, "anchors": anchors})
+        take_rows.append((now, ev.index, ev.step, [it.item_id for it in items], items[0].bucket,
+                          now - ev.t_request, depth_before, bucket_depths, reason, compute, tokens,
+                          n_seqs, anchors))
 
     queue = SimHSQueue(env, core, on_take)
     stream = item_stream(sampler.iter_items(), max_items)
@@ -93,15 +98,12 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
             item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len,
                              nbytes)
             item_shape[spec.item_id] = (spec.real_tokens, spec.n_seqs,
-                                        anchors_for([lengths[i] for i in spec.seq_indices],
-                                                    cfg.timing, cfg.drafter))
+                                        sum(map(seq_anchors.__getitem__, spec.seq_indices)))
             blocked[w] = item
             blocked_s = yield queue.put(item, w)
             del blocked[w]
-            produce.append({"t": t1, "item_id": spec.item_id, "worker": w, "bucket": spec.bucket,
-                            "n_seqs": spec.n_seqs, "real_tokens": spec.real_tokens,
-                            "padded_len": spec.padded_len, "t_start": t0, "t_end": t1,
-                            "blocked_s": blocked_s, "bytes": nbytes})
+            produce_rows.append((t1, spec.item_id, w, spec.bucket, spec.n_seqs, spec.real_tokens,
+                                 spec.padded_len, t0, t1, blocked_s, nbytes))
         producers_left[0] -= 1
         if producers_left[0] == 0:
             queue.close()
@@ -143,17 +145,17 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
                 "gate_open_at_stop": core.gate() is not None}
     core.discard_all()
     summary = {
-        "produced": len(produce) + len(blocked), "trained": trained[0] + in_steps,
+        "produced": len(produce_rows) + len(blocked), "trained": trained[0] + in_steps,
         "discarded_at_stop": queued_at_stop + len(blocked), "replayed": 0,
-        "takes": len(take), "steps": step_no[0], "stranded": stranded,
+        "takes": len(take_rows), "steps": step_no[0], "stranded": stranded,
         "drained": core.closed and queued_at_stop == 0,
     }
-    metrics = run_metrics(produce, take, p=mix, min_ready=q.min_ready, window=cfg.metrics.window,
+    metrics = run_metrics(trace, p=mix, min_ready=q.min_ready, window=cfg.metrics.window,
                           warmup_s=cfg.metrics.warmup_s, close_t=close_t, n_target=n_target,
                           n_drafter=n_drafter, n_buckets=sampler.n_buckets)
     metrics["peak_queue_bytes"] = core.counters.peak_queued_bytes
     metrics["loss_roughness"] = None  # predicted only by a calibrated simulator (issue #7)
-    result = SimResult(metrics, summary, produce, take, mix, sampler.bounds,
+    result = SimResult(metrics, summary, trace, mix, sampler.bounds,
                        time.perf_counter() - wall0)
     if records_dir is not None:
         write_records(result, records_dir, run_id or f"sim-{uuid.uuid4().hex[:8]}", close_t)
@@ -163,8 +165,8 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
 def write_records(result: SimResult, out_dir: str | Path, run_id: str, close_t: float) -> None:
     """The run's records in the shared schema (``source = "sim"``)."""
     with RecordWriter(out_dir, run_id, "sim") as w:
-        for r in sorted(result.produce, key=lambda r: r["t"]):
+        for r in sorted(result.trace.produce_records(), key=lambda r: r["t"]):
             w.write("produce", **r)
-        for r in result.take:
+        for r in result.trace.take_records():
             w.write("take", **r)
         w.write("summary", t=close_t, **result.summary, schema=SCHEMA_VERSION)

@@ -16,8 +16,8 @@ from dflash import cli
 from dflash.cli import HANDLERS, VERBS, NotBuilt, main
 
 QUEUE_VERBS = ("simulate", "sweep", "train", "tune-live")
-NOT_BUILT = {"simulate": 3, "train": 4, "tune-live": 5, "eval": 5, "sweep": 6, "calibrate": 7, "validate": 7,
-             "report": 8}
+# Verbs still waiting for their issue; each entry disappears when its verb lands.
+NOT_BUILT = {verb: h.issue for verb, h in HANDLERS.items() if isinstance(h, NotBuilt)}
 
 # A valid invocation of each verb (relative paths inside the `workdir` fixture).
 BASE = {
@@ -306,7 +306,7 @@ def test_help_and_validation_do_not_import_torch():
         from dflash.cli import main
         assert main(["--help"]) == 0
         assert main(["simulate", "--help"]) == 0
-        assert main(["simulate", "--hs-min-ready", "5", "--n-target", "2"]) == 2
+        assert main(["simulate", "--hs-min-ready", "500", "--n-target", "2"]) == 2
         assert main(["sweep", "--trials", "0"]) == 2
         heavy = [m for m in ("torch", "transformers", "simpy", "optuna", "pandas") if m in sys.modules]
         print("HEAVY", heavy)
