@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import simpy
@@ -44,12 +44,25 @@ class QueuePut(Put):
 class QueueGet(Get):
     """A drafter's request to take; its value is the list of items, or None when drained."""
 
-    def __init__(self, resource: SimHSQueue, drafter: int, step: int | None = None) -> None:
+    def __init__(self, resource: SimHSQueue, drafter: int, step: int | None = None,
+                 t_request: float | None = None) -> None:
         self.index = drafter
         self.step = step
-        self.t_request = resource._env.now
+        self.t_request = resource._env.now if t_request is None else t_request
         self.compute_s = 0.0  # set by the simulator when the take is granted
         super().__init__(resource)
+
+
+class TakeRequest:
+    """A take served at once, without a SimPy event: the synchronous twin of :class:`QueueGet`."""
+
+    __slots__ = ("compute_s", "index", "step", "t_request")
+
+    def __init__(self, drafter: int, step: int | None, now: float) -> None:
+        self.index = drafter
+        self.step = step
+        self.t_request = now
+        self.compute_s = 0.0
 
 
 class _ByIndex(list):
@@ -73,9 +86,51 @@ class SimHSQueue(BaseResource):
         self.on_take = on_take
         self._puts_scheduled = False
         self._takes_scheduled = False
+        self._ending: dict[float, int] = {}  # compute end time -> computes ending then
 
     put = BoundClass(QueuePut)
     get = BoundClass(QueueGet)
+
+    # ------------------------------------------------------------------ process API
+    def put_item(self, item: QueueItem, worker: int) -> Generator[Event, Any, float]:
+        """A producer's put: ``blocked_s = yield from queue.put_item(item, w)``.
+
+        When nothing else happens at this instant, nobody is waiting to put and the item fits,
+        the put is decided at once with no event (the common case); otherwise it goes through the
+        ordered, deferred path. The decisions are the same either way.
+        """
+        core = self.core
+        if (not self.put_queue and not self._puts_scheduled and self._alone_at_this_instant()
+                and core.fits(item)):
+            core.put(item, self._env._now)  # type: ignore[attr-defined]
+            if self.get_queue:
+                self._trigger_get(None)
+            return 0.0
+        return (yield self.put(item, worker))
+
+    def take_items(self, drafter: int, step: int | None = None, t_request: float | None = None
+                   ) -> Generator[Event, Any, tuple[Any, list[QueueItem] | None]]:
+        """A drafter's take: ``request, items = yield from queue.take_items(d, step)``.
+
+        ``items`` is None once producers have closed and the queue is drained. ``t_request``
+        (default: now) is when the drafter became ready to take, for its gate-wait time.
+        """
+        if (not self.get_queue and not self._takes_scheduled and not self._puts_scheduled
+                and self._alone_at_this_instant()):
+            core = self.core
+            now = self._env._now  # type: ignore[attr-defined]
+            reason = core.gate()
+            if reason is not None:
+                request = TakeRequest(drafter, step, now if t_request is None else t_request)
+                items = self._take(request, reason)
+                if self.put_queue:
+                    BaseResource._trigger_put(self, None)
+                return request, items
+            if core.closed and core.depth == 0:
+                return TakeRequest(drafter, step, now), None
+        event = self.get(drafter, step, t_request)
+        items = yield event
+        return event, items
 
     # ------------------------------------------------------------------ deferral
     def _schedule(self, callback: Callable[[Event], None], priority: int) -> None:
@@ -85,12 +140,30 @@ class SimHSQueue(BaseResource):
         ev.callbacks.append(callback)  # type: ignore[union-attr]
         self._env.schedule(ev, priority)
 
+    # ------------------------------------------------------------------ compute time
+    def compute(self, seconds: float) -> Event:
+        """The timeout of a producer's or drafter's compute. Processes that put or take must use
+        it (not ``env.timeout``): the queue counts computes ending at each instant, which is how
+        it knows whether another put or take can still happen at the current instant."""
+        end = self._env._now + seconds  # type: ignore[attr-defined]  # SimPy's own sum, same float
+        self._ending[end] = self._ending.get(end, 0) + 1
+        timeout = self._env.timeout(seconds)
+        timeout.callbacks.insert(0, self._compute_ended)  # type: ignore[union-attr]
+        return timeout
+
+    def _compute_ended(self, _: Event) -> None:
+        now = self._env._now  # type: ignore[attr-defined]
+        n = self._ending[now] - 1
+        if n:
+            self._ending[now] = n
+        else:
+            del self._ending[now]
+
     def _alone_at_this_instant(self) -> bool:
-        """True when no other event is pending at the current time: deciding now cannot break
-        the same-instant order, so the settle event (a third of all events) is skipped. Ties, as
-        with deterministic timing, still go through the deferred, ordered path."""
-        heap = self._env._queue  # type: ignore[attr-defined]
-        return not heap or heap[0][0] > self._env._now  # type: ignore[attr-defined]
+        """True when no other compute ends at the current time: then no other put or take can
+        happen at this instant, deciding now cannot break the same-instant order, and the settle
+        event is skipped. Ties, as with deterministic timing, take the deferred, ordered path."""
+        return self._env._now not in self._ending  # type: ignore[attr-defined]
 
     def _trigger_put(self, get_event: Any) -> None:
         if self._puts_scheduled:
@@ -155,37 +228,22 @@ class SimHSQueue(BaseResource):
                 event.succeed(None)
                 return True
             return False
+        event.succeed(self._take(event, reason))
+        return True
+
+    def _take(self, request: QueueGet | TakeRequest, reason: str) -> list[QueueItem]:
+        core = self.core
         depth_before = core.depth
         bucket_depths = tuple(core.counts)
-        _, items = core.take(self._env.now)
+        _, items = core.take(self._env._now)  # type: ignore[attr-defined]
         if self.on_take is not None:
-            self.on_take(event, items, reason, depth_before, bucket_depths)
-        event.succeed(items)
-        return True
+            self.on_take(request, items, reason, depth_before, bucket_depths)
+        return items
 
     def close(self) -> None:
         """Producers are done: drafters drain, then their gets return None."""
         self.core.close()
         self._trigger_get(None)
-
-
-class StepBarrier:
-    """Synchronised drafters: a step ends when the slowest drafter finishes."""
-
-    def __init__(self, env: simpy.Environment, n: int) -> None:
-        self.env = env
-        self.n = n
-        self.count = 0
-        self.event = env.event()
-
-    def wait(self) -> Event:
-        ev = self.event
-        self.count += 1
-        if self.count == self.n:
-            self.count = 0
-            self.event = self.env.event()
-            ev.succeed()
-        return ev
 
 
 def item_stream(specs: Iterator[Any], limit: int | None) -> Iterator[Any]:

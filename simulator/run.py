@@ -23,7 +23,7 @@ from dflash.queue_core import QueueCore, QueueItem
 from dflash.records import SCHEMA_VERSION, RecordWriter
 from dflash.runmetrics import RunTrace, run_metrics
 from dflash.sampler import Sampler
-from simulator.engine import QueueGet, SimHSQueue, StepBarrier, item_stream
+from simulator.engine import QueueGet, SimHSQueue, TakeRequest, item_stream
 from simulator.timing import DrafterTime, TargetTime, anchors_for
 
 
@@ -71,7 +71,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     held: dict[int, list[QueueItem]] = {}  # drafter -> items in its current step
     blocked: dict[int, QueueItem] = {}  # producer -> item held at the cap
 
-    def on_take(ev: QueueGet, items: list[QueueItem], reason: str, depth_before: int,
+    def on_take(ev: QueueGet | TakeRequest, items: list[QueueItem], reason: str, depth_before: int,
                 bucket_depths: tuple[int, ...]) -> None:
         now = env.now
         tokens = n_seqs = anchors = 0
@@ -92,7 +92,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     def producer(w: int) -> Any:
         for spec in stream:
             t0 = env.now
-            yield env.timeout(target_time(spec.n_seqs, spec.padded_len, t0))
+            yield queue.compute(target_time(spec.n_seqs, spec.padded_len, t0))
             t1 = env.now
             nbytes = spec.n_seqs * spec.padded_len * bytes_per_token
             item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len,
@@ -100,7 +100,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
             item_shape[spec.item_id] = (spec.real_tokens, spec.n_seqs,
                                         sum(map(seq_anchors.__getitem__, spec.seq_indices)))
             blocked[w] = item
-            blocked_s = yield queue.put(item, w)
+            blocked_s = yield from queue.put_item(item, w)
             del blocked[w]
             produce_rows.append((t1, spec.item_id, w, spec.bucket, spec.n_seqs, spec.real_tokens,
                                  spec.padded_len, t0, t1, blocked_s, nbytes))
@@ -108,33 +108,46 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
         if producers_left[0] == 0:
             queue.close()
 
-    barrier = StepBarrier(env, n_drafter) if sync else None
     step_no = [0]
     trained = [0]
 
-    def drafter(d: int) -> Any:
+    def synchronised_drafters() -> Any:
+        """drafter_sync = "step": every drafter takes (in index order, each re-checking the gate)
+        and computes from the moment it gets its items; the step ends with the slowest. One
+        process for all drafters: the same decisions as one process each behind a barrier, with
+        a fraction of the events."""
         while True:
-            step = step_no[0]
-            request = queue.get(d, step)
-            items = yield request
-            if items is not None:
-                held[d] = items
-                yield env.timeout(request.compute_s)
-                del held[d]
-                trained[0] += len(items)
-            if barrier is not None:
-                if d == 0:
-                    step_no[0] += 1
-                yield barrier.wait()
-            elif items is not None:
-                step_no[0] += 1
+            step, t_step = step_no[0], env.now
+            finish = t_step
+            for d in range(n_drafter):
+                request, items = yield from queue.take_items(d, step, t_step)
+                if items is not None:
+                    held[d] = items
+                    finish = max(finish, env.now + request.compute_s)
+            if not held:
+                return  # producers closed and the queue is drained
+            yield queue.compute(finish - env.now)
+            for d in list(held):
+                trained[0] += len(held.pop(d))
+            step_no[0] += 1
+
+    def independent_drafter(d: int) -> Any:
+        while True:
+            request, items = yield from queue.take_items(d, step_no[0])
             if items is None:
                 return
+            step_no[0] += 1
+            held[d] = items
+            yield queue.compute(request.compute_s)
+            trained[0] += len(held.pop(d))
 
     for w in range(n_target):
         env.process(producer(w))
-    for d in range(n_drafter):
-        env.process(drafter(d))
+    if sync:
+        env.process(synchronised_drafters())
+    else:
+        for d in range(n_drafter):
+            env.process(independent_drafter(d))
     env.run(until=sim_seconds)
     close_t = min(env.now, sim_seconds)
 

@@ -65,18 +65,18 @@ def run_simpy(cfg: QueueConfig, trace: Trace, seed: int,
 
     def producer(w):
         for dur, item in producers[w]:
-            yield env.timeout(dur)
-            yield queue.put(item, w)
+            yield queue.compute(dur)
+            yield from queue.put_item(item, w)
         left[0] -= 1
         if left[0] == 0:
             queue.close()
 
     def drafter(d):
         for dur in drafters[d]:
-            items = yield queue.get(d)
+            _, items = yield from queue.take_items(d)
             if items is None:
                 return
-            yield env.timeout(dur)
+            yield queue.compute(dur)
         raise AssertionError("trace too short for the drafters")
 
     for w in range(len(producers)):
@@ -226,4 +226,6 @@ def test_the_traces_exercise_ties_the_cap_and_the_drain(min_ready: int, max_dept
     cfg = QueueConfig(min_ready=min_ready, max_depth=max_depth, items_per_take=per_take,
                       max_bytes=max_bytes, policy="random_item")
     run_simpy(cfg, trace, seed=5, reasons=reasons)
-    assert {"cap", "drain"} <= set(reasons)
+    assert "cap" in reasons
+    if min_ready > 1:  # with min_ready 1 a drain take is indistinguishable from a ready one
+        assert "drain" in reasons

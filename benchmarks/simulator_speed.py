@@ -1,0 +1,81 @@
+"""How fast the simulator runs, beside raw SimPy on a plain M/M/1 model, in one run.
+
+Run: python benchmarks/simulator_speed.py [--sim-seconds S] [--repeats R]
+Prints, for examples/h200-8b-drafter-bound.toml: simulated seconds per wall second and items per
+wall second; SimPy's raw speed on an M/M/1 queue (customers per wall second, Resource-based, the
+textbook model); and the ratio of our per-item cost to SimPy's per-customer cost.
+Goals (issue #3): per-item cost <= 1.5x raw SimPy's per-customer cost; >= 10,000 simulated
+seconds per wall second for the example on one core. CPU time of this process is measured
+(time.process_time), best of R, so other load on the machine disturbs it less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import simpy
+
+from dflash.config import load_config
+from simulator.run import simulate
+from simulator.workload import make_sampler
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "h200-8b-drafter-bound.toml"
+
+
+def raw_simpy_mm1(customers: int, lam: float = 0.9, mu: float = 1.0, seed: int = 0) -> float:
+    """CPU seconds for an M/M/1 queue (Resource with capacity 1) to serve ``customers``."""
+    rng = random.Random(seed)
+    env = simpy.Environment()
+    server = simpy.Resource(env, capacity=1)
+    done = [0]
+
+    def customer():
+        with server.request() as req:
+            yield req
+            yield env.timeout(rng.expovariate(mu))
+        done[0] += 1
+
+    def source():
+        for _ in range(customers):
+            yield env.timeout(rng.expovariate(lam))
+            env.process(customer())
+
+    env.process(source())
+    t0 = time.process_time()
+    env.run()
+    assert done[0] == customers
+    return time.process_time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sim-seconds", type=float, default=3600.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    cfg = load_config(EXAMPLE)
+    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed)
+    simulate(cfg, sampler, sim_seconds=60.0)  # warm the sampler's epoch cache, as a sweep would
+
+    ours, items = [], 0
+    for _ in range(args.repeats):
+        t0 = time.process_time()
+        res = simulate(cfg, sampler, sim_seconds=args.sim_seconds)
+        ours.append(time.process_time() - t0)
+        items = res.summary["produced"]
+    ours_s = min(ours)
+    raw_s = min(raw_simpy_mm1(items) for _ in range(args.repeats))
+    per_item = ours_s / items
+    per_customer = raw_s / items
+    print(f"example {EXAMPLE.name}: {args.sim_seconds:g} simulated s, {items} items, best of {args.repeats}")
+    print(f"  ours      {ours_s:.3f} s CPU  {args.sim_seconds / ours_s:>10,.0f} sim-s per wall-s  "
+          f"{items / ours_s:>9,.0f} items/s  {1e6 * per_item:6.1f} us/item")
+    print(f"  raw SimPy {raw_s:.3f} s CPU  (M/M/1, {items} customers)  {items / raw_s:>9,.0f} customers/s  "
+          f"{1e6 * per_customer:6.1f} us/customer")
+    print(f"  ratio ours per item / SimPy per customer: {per_item / per_customer:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
