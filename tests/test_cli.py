@@ -272,6 +272,7 @@ def test_demo_runs_what_exists_and_names_unbuilt_stages(tiny_dataset, capsys):
     assert main(["demo", "--config", str(tiny_dataset)]) == 0
     out, _ = capsys.readouterr()
     assert "8 sequences" in out
+    assert "baseline 10/30" in out and "handpicked 30/90" in out
     for verb in ("simulate", "sweep", "train", "eval", "calibrate", "validate", "report"):
         if isinstance(HANDLERS[verb], NotBuilt):
             assert f"{verb} (issue #{HANDLERS[verb].issue})" in out
