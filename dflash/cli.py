@@ -296,6 +296,18 @@ def _demo(args: argparse.Namespace, cfg: DflashConfig) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """An Optuna study over the simulator (tuning/)."""
+    from simulator.calibration import apply_calibration
+    from tuning.sweep import format_result, run_sweep, sweep_args
+
+    cfg = apply_calibration(cfg, args.calibration)
+    sargs = sweep_args(args, cfg)
+    res = run_sweep(cfg, sargs, progress=sys.stderr.isatty())
+    print(format_result(res, sargs.grid, cfg))
+    return 0
+
+
 REFERENCE_CONFIGS = {"baseline": (10, 30), "handpicked": (30, 90)}  # DESIGN.md's named configs
 
 
@@ -323,7 +335,7 @@ def _demo_simulate(cfg: DflashConfig) -> None:
 # One entry per verb; replace a NotBuilt(...) with the real handler when its issue lands.
 HANDLERS: dict[str, Handler] = {
     "simulate": _simulate,
-    "sweep": NotBuilt(6),
+    "sweep": _sweep,
     "train": NotBuilt(4),
     "tune-live": NotBuilt(5),
     "eval": NotBuilt(5),

@@ -255,15 +255,31 @@ class MetricsConfig:
         check_float("metrics.warmup_s", self.warmup_s, 0.0)
 
 
+SWEEP_MODES = ("pareto", "scalar")
+DEFAULT_GRID_PAIRS = ((10, 30), (20, 60), (25, 75), (30, 90), (40, 120))
+
+
 @dataclass(frozen=True)
 class SweepConfig:
-    """Study settings; the search space itself is validated by ``tuning`` when it lands."""
+    """Study settings. ``space`` (the search space) is validated by ``tuning.space``.
 
-    memory_budget_gib: float | None = None
+    ``mode = "pareto"`` maximises throughput and mix_efficiency together; ``"scalar"`` maximises
+    mix_efficiency subject to throughput >= ``min_throughput_frac`` x a reference measured before
+    the study (the largest queue in the space with min-ready 1).
+    """
+
+    memory_budget_gib: float | None = None  # constraint: peak queued bytes within this budget
     seeds_per_trial: int = 3
     sampler: str = "nsga2"
     top_k: int = 3
     space: dict[str, Any] = field(default_factory=dict)
+    trials: int = 100
+    sim_seconds: float = 3600.0  # simulated seconds per seed of a trial
+    mode: str = "pareto"
+    min_throughput_frac: float = 0.95
+    max_gate_wait_frac: float = 0.9  # constraint: drafters wait at the gate at most this share
+    grid_pairs: tuple[tuple[int, int], ...] = DEFAULT_GRID_PAIRS
+    grid_policies: tuple[str, ...] = POLICIES
 
     def __post_init__(self) -> None:
         if self.memory_budget_gib is not None:
@@ -273,6 +289,24 @@ class SweepConfig:
         check_int("sweep.top_k", self.top_k, 1)
         if not isinstance(self.space, dict):
             raise ConfigError("sweep.space", "must be a table", self.space)
+        check_int("sweep.trials", self.trials, 1)
+        check_float("sweep.sim_seconds", self.sim_seconds, 0.0, lo_open=True)
+        check_choice("sweep.mode", self.mode, SWEEP_MODES)
+        check_float("sweep.min_throughput_frac", self.min_throughput_frac, 0.0, 1.0, lo_open=True)
+        check_float("sweep.max_gate_wait_frac", self.max_gate_wait_frac, 0.0, 1.0, lo_open=True)
+        pairs = self.grid_pairs
+        if (not isinstance(pairs, (list, tuple)) or not pairs or not all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(_is_int(x) for x in p)
+                and 1 <= p[0] <= p[1] for p in pairs)):
+            raise ConfigError("sweep.grid_pairs", "must be a list of [min_ready, max_depth] pairs with "
+                              "1 <= min_ready <= max_depth", pairs)
+        object.__setattr__(self, "grid_pairs", tuple(tuple(p) for p in pairs))
+        if not isinstance(self.grid_policies, (list, tuple)) or not self.grid_policies:
+            raise ConfigError("sweep.grid_policies", f"must be a non-empty list of {', '.join(POLICIES)}",
+                              self.grid_policies)
+        for pol in self.grid_policies:
+            check_choice("sweep.grid_policies", pol, POLICIES)
+        object.__setattr__(self, "grid_policies", tuple(self.grid_policies))
 
 
 NOISE_MODELS = ("deterministic", "exponential", "lognormal", "empirical")
@@ -396,7 +430,8 @@ def _build_section(name: str, table: object) -> Any:
         if key not in known:
             raise ConfigError(f"{name}.{key}", f"unknown key; allowed: {', '.join(sorted(known))}",
                               show_got=False)
-    values = {k: (tuple(v) if isinstance(v, list) and k != "space" else v) for k, v in table.items()}
+    values = {k: (tuple(v) if isinstance(v, list) and k not in ("space", "grid_pairs") else v)
+              for k, v in table.items()}
     return cls(**values)
 
 

@@ -101,12 +101,8 @@ class QueueCore:
         This is DESIGN.md's "among producers by worker index": when a take frees room, blocked
         producers enter in index order. The threaded queue and the SimPy engine both obey it.
         """
-        if not self.fits(item):
-            return False
-        for other, nbytes in self.blocked.items():
-            if other < producer and self._fits_bytes(nbytes):
-                return False
-        return True
+        return self.fits(item) and not any(
+            other < producer and self._fits_bytes(nbytes) for other, nbytes in self.blocked.items())
 
     def _fits_bytes(self, nbytes: int) -> bool:
         if self.depth >= self.config.max_depth:

@@ -29,14 +29,14 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _clean(value: Any) -> Any:
+def clean_json(value: Any) -> Any:
     """JSON has no NaN/inf: write them as null so every reader parses the file."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: clean_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [clean_json(v) for v in value]
     return value
 
 
@@ -63,7 +63,7 @@ class RecordWriter:
         f = self._files.get(kind)
         if f is None:
             f = self._files[kind] = open(self.dir / f"{kind}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        f.write(json.dumps(_clean(rec), separators=(",", ":")) + "\n")
+        f.write(json.dumps(clean_json(rec), separators=(",", ":")) + "\n")
         f.flush()
         return rec
 

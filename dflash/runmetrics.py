@@ -71,13 +71,18 @@ class DepthSeries:
     """Queue depth and queued bytes after every put and take (puts first on ties), as arrays."""
 
     def __init__(self, put_t: np.ndarray, put_bytes: np.ndarray, take_t: np.ndarray,
-                 take_items: np.ndarray, take_bytes: np.ndarray) -> None:
+                 take_items: np.ndarray, take_bytes: np.ndarray, put_after_take: np.ndarray | None = None) -> None:
         n_put, n_take = len(put_t), len(take_t)
         t = np.concatenate([put_t, take_t])
         dd = np.concatenate([np.ones(n_put, dtype=np.int64), -take_items.astype(np.int64)])
         db = np.concatenate([put_bytes.astype(np.int64), -take_bytes.astype(np.int64)])
-        kind = np.concatenate([np.zeros(n_put, dtype=np.int8), np.ones(n_take, dtype=np.int8)])
-        order = np.lexsort((kind, t))  # by time, puts before takes at one instant
+        # Same-instant order: puts before takes, except the put of a producer that was blocked at the
+        # cap, which a take at that instant admitted (it follows the take that freed its slot).
+        put_kind = np.zeros(n_put, dtype=np.int8)
+        if put_after_take is not None:
+            put_kind[put_after_take] = 2
+        kind = np.concatenate([put_kind, np.ones(n_take, dtype=np.int8)])
+        order = np.lexsort((kind, t))
         self.t = t[order]
         self.depth = np.cumsum(dd[order])
         self.bytes = np.cumsum(db[order])
@@ -119,11 +124,15 @@ def clipped(a: Iterable[float], b: Iterable[float], start: float, end: float) ->
 
 
 def run_metrics(trace: RunTrace, *, p: Sequence[float], min_ready: int, window: int, warmup_s: float,
-                close_t: float, n_target: int, n_drafter: int, n_buckets: int) -> dict[str, Any]:
+                close_t: float, n_target: int, n_drafter: int, n_buckets: int,
+                open_intervals: Mapping[str, Sequence[tuple[float, float]]] | None = None) -> dict[str, Any]:
     """Every DESIGN.md metric that the produce and take records determine.
 
     Take records must carry ``compute_s`` (the drafter's compute time for that take), ``tokens``
     and ``n_seqs``; the trained work of a take counts when its compute ends inside the span.
+    ``open_intervals`` adds what no record shows yet at the close: ``target_busy`` (items being
+    produced), ``target_blocked`` (items held at the cap), ``drafter_wait`` (drafters waiting at
+    the gate), ``drafter_busy``; without them the time fractions of a short run fall short.
     """
     pc, tc = trace.columns()
     f8 = np.float64
@@ -139,7 +148,7 @@ def run_metrics(trace: RunTrace, *, p: Sequence[float], min_ready: int, window: 
     take_idx = [[item_index.get(i, -1) for i in ids] for ids in take_ids]
     take_bytes = np.fromiter((sum(int(nbytes[k]) for k in ks if k >= 0) for ks in take_idx), np.int64,
                              len(take_idx))
-    series = DepthSeries(put_t, nbytes, take_t, take_items, take_bytes)
+    series = DepthSeries(put_t, nbytes, take_t, take_items, take_bytes, put_after_take=blocked > 0)
     span = steady_state_span(series, min_ready, warmup_s, close_t)
     out: dict[str, Any] = {"steady_state_start_s": None, "steady_state_end_s": close_t,
                            "window": window, "min_ready": min_ready, "warmup_s": warmup_s}
@@ -157,10 +166,18 @@ def run_metrics(trace: RunTrace, *, p: Sequence[float], min_ready: int, window: 
     out["samples_per_s"] = float(np.asarray(tc["n_seqs"], f8)[in_span].sum()) / length
     out["items_per_s"] = float(take_items[in_span].sum()) / length
     wait = np.asarray(tc["wait_s"], f8)
-    out["drafter_utilization"] = clipped(take_t, t_done, start, end) / (n_drafter * length)
-    out["drafter_gate_wait_frac"] = clipped(take_t - wait, take_t, start, end) / (n_drafter * length)
-    out["target_utilization"] = clipped(t_start, t_end, start, end) / (n_target * length)
-    out["producer_blocked_frac"] = clipped(t_end, put_t, start, end) / (n_target * length)
+    extra = open_intervals or {}
+
+    def share(a: np.ndarray, b: np.ndarray, key: str, n: int) -> float:
+        """Time in [start, end] of the recorded intervals plus those still open at the close."""
+        opened = extra.get(key, ())
+        total = clipped(a, b, start, end) + clipped((x for x, _ in opened), (y for _, y in opened), start, end)
+        return total / (n * length)
+
+    out["drafter_utilization"] = share(take_t, t_done, "drafter_busy", n_drafter)
+    out["drafter_gate_wait_frac"] = share(take_t - wait, take_t, "drafter_wait", n_drafter)
+    out["target_utilization"] = share(t_start, t_end, "target_busy", n_target)
+    out["producer_blocked_frac"] = share(t_end, put_t, "target_blocked", n_target)
     out["mean_queue_depth"] = series.time_weighted_mean(start, end, series.depth)
     out["mean_queue_bytes"] = series.time_weighted_mean(start, end, series.bytes)
     out["peak_queue_bytes"] = int(series.bytes.max()) if series.bytes.size else 0

@@ -70,6 +70,8 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     item_shape: dict[str, tuple[int, int, int]] = {}  # id -> (real_tokens, n_seqs, anchors)
     held: dict[int, list[QueueItem]] = {}  # drafter -> items in its current step
     blocked: dict[int, QueueItem] = {}  # producer -> item held at the cap
+    held_since: dict[int, float] = {}  # producer -> when it finished the item it holds
+    producing: dict[int, float] = {}  # producer -> when it started the item it computes
 
     def on_take(ev: QueueGet | TakeRequest, items: list[QueueItem], reason: str, depth_before: int,
                 bucket_depths: tuple[int, ...]) -> None:
@@ -91,17 +93,18 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
 
     def producer(w: int) -> Any:
         for spec in stream:
-            t0 = env.now
+            t0 = producing[w] = env.now
             yield queue.compute(target_time(spec.n_seqs, spec.padded_len, t0))
+            del producing[w]
             t1 = env.now
             nbytes = spec.n_seqs * spec.padded_len * bytes_per_token
             item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len,
                              nbytes)
             item_shape[spec.item_id] = (spec.real_tokens, spec.n_seqs,
                                         sum(map(seq_anchors.__getitem__, spec.seq_indices)))
-            blocked[w] = item
+            blocked[w], held_since[w] = item, t1
             blocked_s = yield from queue.put_item(item, w)
-            del blocked[w]
+            del blocked[w], held_since[w]
             produce_rows.append((t1, spec.item_id, w, spec.bucket, spec.n_seqs, spec.real_tokens,
                                  spec.padded_len, t0, t1, blocked_s, nbytes))
         producers_left[0] -= 1
@@ -110,6 +113,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
 
     step_no = [0]
     trained = [0]
+    waiting: dict[int, float] = {}  # drafter -> since when it waits for its take
 
     def synchronised_drafters() -> Any:
         """drafter_sync = "step": every drafter takes (in index order, each re-checking the gate)
@@ -119,8 +123,10 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
         while True:
             step, t_step = step_no[0], env.now
             finish = t_step
+            waiting.update(dict.fromkeys(range(n_drafter), t_step))
             for d in range(n_drafter):
                 request, items = yield from queue.take_items(d, step, t_step)
+                del waiting[d]
                 if items is not None:
                     held[d] = items
                     finish = max(finish, env.now + request.compute_s)
@@ -133,7 +139,9 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
 
     def independent_drafter(d: int) -> Any:
         while True:
+            waiting[d] = env.now
             request, items = yield from queue.take_items(d, step_no[0])
+            del waiting[d]
             if items is None:
                 return
             step_no[0] += 1
@@ -163,8 +171,15 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
         "takes": len(take_rows), "steps": step_no[0], "stranded": stranded,
         "drained": core.closed and queued_at_stop == 0,
     }
+    open_intervals = {  # work in progress at the close, which no record shows yet
+        "target_busy": [(t0, close_t) for t0 in producing.values()],
+        "target_blocked": [(t1, close_t) for t1 in held_since.values()],
+        "drafter_wait": [(t, close_t) for t in waiting.values()],
+    }
+    summary["open_intervals"] = open_intervals  # in the summary record, so records alone give the metrics
     metrics = run_metrics(trace, p=mix, min_ready=q.min_ready, window=cfg.metrics.window,
-                          warmup_s=cfg.metrics.warmup_s, close_t=close_t, n_target=n_target,
+                          open_intervals=open_intervals, warmup_s=cfg.metrics.warmup_s, close_t=close_t,
+                          n_target=n_target,
                           n_drafter=n_drafter, n_buckets=sampler.n_buckets)
     metrics["peak_queue_bytes"] = core.counters.peak_queued_bytes
     metrics["loss_roughness"] = None  # predicted only by a calibrated simulator (issue #7)

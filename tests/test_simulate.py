@@ -59,12 +59,13 @@ def test_simulate_cli_writes_json_records_and_plot_that_agree(tiny_config: Path,
     # One schema: the metrics recomputed from the written records equal the simulator's own.
     produce, take = list(read_records(recs, "produce")), list(read_records(recs, "take"))
     assert all(r["source"] == "sim" for r in produce + take)
+    summary = next(read_records(recs, "summary"))
     again = run_metrics(RunTrace.from_records(produce, take), p=data["item_mix"], min_ready=10, window=32,
-                        warmup_s=0.0, close_t=600.0, n_target=4, n_drafter=4, n_buckets=5)
+                        warmup_s=0.0, close_t=600.0, n_target=4, n_drafter=4, n_buckets=5,
+                        open_intervals=summary["open_intervals"])
     for key in ("throughput_tokens_per_s", "mix_efficiency", "mean_queue_depth", "drafter_utilization",
                 "producer_blocked_frac", "max_bucket_streak"):
         assert again[key] == pytest.approx(m[key]), key
-    summary = next(read_records(recs, "summary"))
     assert summary["produced"] == summary["trained"] + summary["discarded_at_stop"]
 
 

@@ -421,11 +421,9 @@ def test_pipeline_against_ctmc(p: Pipeline, scale: int) -> None:
     check("mean_queue_depth", metric(runs, "mean_queue_depth"), exact.mean_queue_depth)
 
 
-# ============================================================================ known metric defects
-# Exact identities that the records should satisfy but do not yet (reported, not fixed here);
-# strict, so that the fix turns them into ordinary tests.
-@pytest.mark.xfail(strict=True, reason="depth series puts an admitted producer's put before the take "
-                                       "that made room (ties: puts first), so it reports max_depth + 1")
+# ============================================================================ exact identities
+# Identities the records must satisfy exactly (found as defects, now fixed: same-instant order of
+# an admitted producer's put, and work still open at the close).
 def test_max_queue_depth_never_exceeds_the_cap() -> None:
     p = Pipeline(lam=1.3, mu=1.0, max_depth=4)  # the producer blocks at the cap often
     res = simulate(config(p, 0, 10.0), SAMPLER, sim_seconds=200.0)
@@ -433,8 +431,6 @@ def test_max_queue_depth_never_exceeds_the_cap() -> None:
     assert res.metrics["max_queue_depth"] <= p.max_depth
 
 
-@pytest.mark.xfail(strict=True, reason="a drafter waiting at the gate at the close has no take record, "
-                                       "so its last wait is missing from drafter_gate_wait_frac")
 def test_drafter_time_fractions_tile_the_span() -> None:
     """One independent drafter is always either computing or waiting at the gate."""
     p = Pipeline(lam=0.2, mu=5.0, max_depth=4)  # the drafter is almost always waiting
@@ -443,9 +439,6 @@ def test_drafter_time_fractions_tile_the_span() -> None:
     assert m["drafter_utilization"] + m["drafter_gate_wait_frac"] == pytest.approx(1.0, abs=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason="an item being produced, or held at the cap, at the close has no "
-                                       "produce record, so target_utilization / producer_blocked_frac "
-                                       "miss the last interval")
 def test_producer_time_fractions_tile_the_span() -> None:
     """One producer is always either computing or blocked at the cap."""
     p = Pipeline(lam=0.2, mu=5.0, max_depth=4)  # the producer is almost always computing

@@ -1,0 +1,123 @@
+"""From a finished study to decisions: the Pareto front, importances and the selection file.
+
+Selection rule (documented, deterministic): among feasible complete trials take the Pareto front
+of (throughput, mix_efficiency), both maximised. Normalise each objective to [0, 1] over the
+front (min-max). The *knee* is the front point closest (Euclidean) to the ideal point (1, 1): the
+configuration that gives up the least of either objective relative to the front's own range.
+Top-k are the knee and then the other front points in order of that distance; if the front is
+shorter than k, the nearest dominated feasible trials fill in. In scalar mode the front is the
+single best feasible trial and the rest follow by mix_efficiency. ``baseline`` and
+``handpicked`` are always added, evaluated on the same seeds by the same evaluator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from tuning.study import feasible
+
+NAMED = {"baseline": {"min_ready": 10, "max_depth": 30}, "handpicked": {"min_ready": 30, "max_depth": 90}}
+
+
+def complete_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+
+
+def pareto_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """Non-dominated trials (maximising every value), by trial number."""
+    front = []
+    for t in trials:
+        dominated = any(
+            all(o >= v for o, v in zip(u.values, t.values)) and any(o > v for o, v in zip(u.values, t.values))
+            for u in trials)
+        if not dominated:
+            front.append(t)
+    return sorted(front, key=lambda t: t.number)
+
+
+def knee_order(front: list[optuna.trial.FrozenTrial]) -> list[tuple[optuna.trial.FrozenTrial, float]]:
+    """Front points by distance to the ideal after min-max normalisation (knee first)."""
+    if not front:
+        return []
+    dims = len(front[0].values)
+    lo = [min(t.values[i] for t in front) for i in range(dims)]
+    hi = [max(t.values[i] for t in front) for i in range(dims)]
+
+    def dist(t: optuna.trial.FrozenTrial) -> float:
+        norm = [(t.values[i] - lo[i]) / (hi[i] - lo[i]) if hi[i] > lo[i] else 1.0 for i in range(dims)]
+        return math.sqrt(sum((1 - x) ** 2 for x in norm))
+
+    return sorted(((t, dist(t)) for t in front), key=lambda p: (p[1], p[0].number))
+
+
+def select_top_k(study: optuna.Study, k: int) -> list[optuna.trial.FrozenTrial]:
+    ok = [t for t in complete_trials(study) if feasible(t)]
+    if not ok:
+        return []
+    if len(ok[0].values) == 1:
+        return sorted(ok, key=lambda t: (-t.values[0], t.number))[:k]
+    front = pareto_front(ok)
+    chosen = [t for t, _ in knee_order(front)][:k]
+    if len(chosen) < k:  # fill with the nearest dominated trials
+        rest = [t for t in ok if t not in chosen]
+        chosen += [t for t, _ in knee_order_against(rest, front)][: k - len(chosen)]
+    return chosen
+
+
+def knee_order_against(trials: list[optuna.trial.FrozenTrial], front: list[optuna.trial.FrozenTrial]
+                       ) -> list[tuple[optuna.trial.FrozenTrial, float]]:
+    dims = len(front[0].values)
+    lo = [min(t.values[i] for t in front + trials) for i in range(dims)]
+    hi = [max(t.values[i] for t in front + trials) for i in range(dims)]
+
+    def dist(t: optuna.trial.FrozenTrial) -> float:
+        norm = [(t.values[i] - lo[i]) / (hi[i] - lo[i]) if hi[i] > lo[i] else 1.0 for i in range(dims)]
+        return math.sqrt(sum((1 - x) ** 2 for x in norm))
+
+    return sorted(((t, dist(t)) for t in trials), key=lambda p: (p[1], p[0].number))
+
+
+def importances(study: optuna.Study, objective_names: list[str]) -> dict[str, dict[str, float]]:
+    """PED-ANOVA importance of each knob for each objective.
+
+    PED-ANOVA assumes minimisation, so each maximised objective is passed negated; it needs at
+    least a handful of trials and at least two distinct values of a knob to say anything.
+    """
+    from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
+
+    out: dict[str, dict[str, float]] = {}
+    trials = complete_trials(study)
+    varied = [p for p in (trials[0].params if trials else {}) if len({str(t.params.get(p)) for t in trials}) > 1]
+    if len(trials) < 4 or not varied:
+        return out
+    import warnings
+
+    for i, name in enumerate(objective_names):
+        try:
+            warnings.filterwarnings("ignore", message="PedAnovaImportanceEvaluator computes")
+            imp = get_param_importances(study, evaluator=PedAnovaImportanceEvaluator(), params=varied,
+                                        target=lambda t, i=i: -t.values[i])
+        except (RuntimeError, ValueError):
+            continue
+        out[name] = {k: float(v) for k, v in imp.items()}
+    return out
+
+
+def write_selection(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=_jsonable))
+    tmp.replace(path)
+    return path
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
