@@ -174,7 +174,9 @@ VERBS: dict[str, Verb] = {
         Opt("--out", "outdir", "output directory", metavar="DIR"),
     )),
     "lengths": Verb("tokenise the configured data set; print the cached length table and bucket shares"),
-    "demo": Verb("the main job, end to end"),
+    "demo": Verb("the main job, end to end", opts=(
+        Opt("--out", "outdir", "output directory (default: dflash-demo)", metavar="DIR"),
+    )),
 }
 
 
@@ -289,6 +291,8 @@ def _demo(args: argparse.Namespace, cfg: DflashConfig) -> int:
     _lengths(args, cfg)
     print("\n== 2. simulate the named reference configs (one simulated hour each) ==")
     _demo_simulate(cfg)
+    print("\n== 3. sweep the queue knobs over the simulator (Optuna, NSGA-II) ==")
+    _demo_sweep(args, cfg)
     missing = [f"{verb} (issue #{h.issue})" for verb in DEMO_STAGES
                if isinstance(h := HANDLERS[verb], NotBuilt)]
     if missing:
@@ -306,6 +310,17 @@ def _sweep(args: argparse.Namespace, cfg: DflashConfig) -> int:
     res = run_sweep(cfg, sargs, progress=sys.stderr.isatty())
     print(format_result(res, sargs.grid, cfg))
     return 0
+
+
+def _demo_sweep(args: argparse.Namespace, cfg: DflashConfig) -> None:
+    from tuning.sweep import SweepArgs, format_result, run_sweep
+
+    out = Path(args.out) if getattr(args, "out", None) else Path("dflash-demo")
+    cfg = with_overrides(cfg, {"sweep.seeds_per_trial": 2, "sweep.sim_seconds": 1800.0})
+    sargs = SweepArgs(trials=40, storage=str(out / "study.journal"), study="demo", workers=1, grid=False,
+                      out=out, calibration=None)
+    res = run_sweep(cfg, sargs, progress=sys.stderr.isatty())
+    print(format_result(res, False, cfg))
 
 
 REFERENCE_CONFIGS = {"baseline": (10, 30), "handpicked": (30, 90)}  # DESIGN.md's named configs

@@ -209,8 +209,8 @@ def finish(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: E
     imps = importances(study, objective_names) if not args.grid else {}
     selection = {
         "study": args.study, "storage": args.storage, "rule": "knee of the feasible Pareto front "
-        "(closest to the ideal after min-max normalisation), then front neighbours by that distance; "
-        "baseline and handpicked always included", "objectives": objective_names,
+        "(smallest norm of the relative shortfalls 1 - value/best of both objectives), then the other "
+        "front points by that score; baseline and handpicked always included", "objectives": objective_names,
         "seeds": list(evaluator.seeds), "sim_seconds": evaluator.sim_seconds, "calibration": args.calibration,
         "configs": configs, "importances": imps,
         "reference_throughput": study.user_attrs.get("reference_throughput"),
