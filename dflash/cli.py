@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,6 +324,28 @@ def _demo_sweep(args: argparse.Namespace, cfg: DflashConfig) -> None:
     print(format_result(res, False, cfg))
 
 
+def _train(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """A real training run (dflash/trainer.py)."""
+    if args.resume:
+        raise NotBuiltYet("--resume: issue #5")
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError("--out", "must be a new or empty directory (use --resume to continue a run)", str(out))
+    if args.wandb != "disabled":
+        print(f"W&B ({args.wandb}) logging: not built yet (issue #5); the run's records are in {out}",
+              file=sys.stderr)
+    from dflash.trainer import Trainer
+
+    res = Trainer(cfg, out).run()
+    s, m = res.summary, res.metrics
+    print(f"done: {s['steps']} steps in {s['wall_s']:.0f} s (stopped by {s['stopped_by']}); produced "
+          f"{s['produced']} = trained {s['trained']} + discarded_at_stop {s['discarded_at_stop']}")
+    if m.get("steady_state_reached"):
+        print(_format_metrics(m))
+    print(f"drafter weights: {out / 'drafter'} (load with DFlashDrafter.load(dir, target)); records: {out}")
+    return 0
+
+
 REFERENCE_CONFIGS = {"baseline": (10, 30), "handpicked": (30, 90)}  # DESIGN.md's named configs
 
 
@@ -351,7 +374,7 @@ def _demo_simulate(cfg: DflashConfig) -> None:
 HANDLERS: dict[str, Handler] = {
     "simulate": _simulate,
     "sweep": _sweep,
-    "train": NotBuilt(4),
+    "train": _train,
     "tune-live": NotBuilt(5),
     "eval": NotBuilt(5),
     "calibrate": NotBuilt(7),
@@ -479,7 +502,16 @@ def validate(verb_name: str, args: argparse.Namespace) -> DflashConfig:
                           show_got=False)
     if verb_name == "validate" and args.storage is not None and args.study is None:
         raise ConfigError("--storage", "only with --study", args.storage)
-    return with_overrides(load_config(args.config), overrides)
+    return with_overrides(load_config(args.config or _default_config_file(verb_name, overrides)), overrides)
+
+
+def _default_config_file(verb_name: str, overrides: dict[str, Any]) -> Path | None:
+    """`dflash train` with no --config on the CPU runs the packaged CPU profile (the built-in defaults
+    are the published GPU sizes: 5 draft layers, blocks of 16, 512 anchors, 2048 tokens)."""
+    devices = (*overrides.get("target.devices", ("cpu",)), *overrides.get("drafter.devices", ("cpu",)))
+    if verb_name == "train" and all(d == "cpu" for d in devices):
+        return Path(__file__).with_name("profiles") / "cpu-smollm2.toml"
+    return None
 
 
 def error_line(prog: str, exc: ConfigError, flag_for_key: dict[str, str]) -> str:

@@ -227,14 +227,28 @@ class DrafterConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """Optimisation and stopping. ``schedule_steps`` is the cosine schedule's length: the steps of
+    the planned run (defaults to max_steps; a run stopped by time or data ends early on it)."""
+
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
     max_steps: int | None = None
     max_minutes: float | None = None
     checkpoint_every: int = 100
+    epochs: int | None = None  # None: epoch after epoch until max_steps / max_minutes
+    schedule_steps: int | None = None
+    cpu_threads: int | None = None  # intra-op threads per role thread on the CPU (None: cores // roles)
+    log_every: int = 10
 
     def __post_init__(self) -> None:
+        if self.epochs is not None:
+            check_int("train.epochs", self.epochs, 1)
+        if self.schedule_steps is not None:
+            check_int("train.schedule_steps", self.schedule_steps, 1)
+        if self.cpu_threads is not None:
+            check_int("train.cpu_threads", self.cpu_threads, 1)
+        check_int("train.log_every", self.log_every, 1)
         check_float("train.lr", self.lr, 0.0, lo_open=True)
         check_float("train.warmup_ratio", self.warmup_ratio, 0.0, 1.0)
         check_float("train.grad_clip", self.grad_clip, 0.0, lo_open=True)

@@ -269,7 +269,7 @@ def test_lengths_tokenises_a_real_dataset_and_prints_bucket_shares(tiny_dataset,
 
 
 def test_demo_runs_what_exists_and_names_unbuilt_stages(tiny_dataset, capsys):
-    assert main(["demo", "--config", str(tiny_dataset)]) == 0
+    assert main(["demo", "--config", str(tiny_dataset), "--out", str(tiny_dataset.parent / "demo")]) == 0
     out, _ = capsys.readouterr()
     assert "8 sequences" in out
     assert "baseline 10/30" in out and "handpicked 30/90" in out

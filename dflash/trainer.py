@@ -1,0 +1,341 @@
+"""The real pipeline: target worker threads -> the bucketed hidden-state queue -> drafter steps.
+
+Target workers (one thread per target device) draw items from the shared sampler, tokenise the
+item's conversations with the chat template, run the frozen target up to its deepest captured
+layer and put the captured states into :class:`dflash.hsqueue.HSQueue`. The drafter side runs in
+the calling thread: each step every drafter worker takes through the queue policy (in index
+order, each take re-checking the gate), computes its forward and backward, and the step sums the
+workers' token-weighted gradients and divides by the global token count, so the update equals one
+worker on the combined batch. On one device the drafter workers are data-parallel ranks run one
+after another on one model (same arithmetic as DDP with a summed all-reduce).
+
+Everything is written as DESIGN.md's records (``source = "real"``) under the output directory,
+and the run's metrics come from :func:`dflash.runmetrics.run_metrics`, the simulator's function.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config import DflashConfig
+from dflash.hsqueue import HSQueue
+from dflash.queue_core import QueueItem
+from dflash.records import RecordWriter, clean_json, export_parquet
+from dflash.runmetrics import RunTrace, run_metrics
+from dflash.sampler import ItemSpec, Sampler
+
+QUEUE_WAIT_S = 600.0  # a put or take waiting this long is a bug (deadlock), not a slow target
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    summary: dict[str, Any]
+    metrics: dict[str, Any]
+    losses: list[float]
+
+
+class TrainingData:
+    """Conversations, their lengths and the sampler over them; encodes sequences on demand."""
+
+    def __init__(self, cfg: DflashConfig, tokenizer: Any, conversations: list[Any] | None = None) -> None:
+        from dflash.data import load_conversations, resolve_dataset
+
+        w = cfg.workload
+        if conversations is None:
+            conversations, _ = load_conversations(resolve_dataset(w.dataset), w.sample, w.max_conversations)
+        self.conversations = conversations
+        self.tokenizer = tokenizer
+        self.max_len = w.max_len
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        lengths = [int(self.encode(i)[0].numel()) for i in range(len(conversations))] \
+            if len(conversations) <= 2000 else self._cached_lengths(cfg)
+        self.sampler = Sampler(lengths, w, seed=cfg.seed)
+
+    def _cached_lengths(self, cfg: DflashConfig) -> list[int]:
+        """Untruncated lengths from the length cache (the same tokenisation, without re-encoding)."""
+        from dflash.lengths import cached_lengths
+
+        table = cached_lengths(cfg.workload, model=cfg.target.model)
+        ids = [c.id for c in self.conversations]
+        if list(table.ids) != ids:
+            raise RuntimeError("the length cache does not match the data set's conversations")
+        return list(table.lengths)
+
+    def encode(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from dflash.target import encode_conversation
+
+        with self._lock:
+            hit = self._cache.get(index)
+        if hit is None:
+            hit = encode_conversation(self.tokenizer, self.conversations[index], self.max_len)
+            with self._lock:
+                self._cache[index] = hit
+        return hit
+
+
+def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
+    """LR factor: linear warm-up, then cosine to zero at ``total`` (held at 0 beyond it)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """One training run. ``target`` (a LoadedTarget) and ``conversations`` may be injected (tests)."""
+
+    def __init__(self, cfg: DflashConfig, out_dir: str | Path, *, target: Any = None,
+                 conversations: list[Any] | None = None, progress: Callable[[str], None] | None = print,
+                 run_id: str | None = None) -> None:
+        from dflash.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
+        from dflash.target import HiddenStateCapture, capture_layer_ids, load_target
+
+        self.cfg = cfg
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.progress = progress or (lambda _msg: None)
+        self.run_id = run_id or f"real-{uuid.uuid4().hex[:8]}"
+        tdev, ddev = cfg.target.devices, cfg.drafter.devices
+        if all(d == "cpu" for d in (*tdev, *ddev)):
+            roles = len(tdev) + 1
+            torch.set_num_threads(cfg.train.cpu_threads or max(1, (os.cpu_count() or 2) // roles))
+        self.drafter_device = torch.device(ddev[0])
+        self.dtype = torch.bfloat16 if self.drafter_device.type == "cuda" else torch.float32
+
+        t0 = time.perf_counter()
+        self.target = target if target is not None else load_target(cfg.target.model, device=tdev[0])
+        self.progress(f"target {self.target.source}: {self.target.num_layers} layers, hidden "
+                      f"{self.target.hidden_size} (loaded in {time.perf_counter() - t0:.1f} s)")
+        self.layer_ids = capture_layer_ids(self.target.num_layers, cfg.target.capture_layers)
+        self.capture = HiddenStateCapture(self.target.model, self.layer_ids)
+        self.data = TrainingData(cfg, self.target.tokenizer, conversations)
+        self.sampler = self.data.sampler
+        spec = DrafterSpec.from_target_config(self.target.config, target_layer_ids=self.layer_ids,
+                                              mask_token_id=default_mask_token_id(self.target.tokenizer),
+                                              drafter=cfg.drafter)
+        torch.manual_seed(cfg.seed)
+        self.drafter = DFlashDrafter.from_target(self.target.model, spec, device=self.drafter_device,
+                                                 dtype=self.dtype)
+        self.optimizer = torch.optim.AdamW(self.drafter.trainable_parameters(), lr=cfg.train.lr)
+        total = cfg.train.schedule_steps or cfg.train.max_steps or 1000
+        warmup = int(cfg.train.warmup_ratio * total)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: cosine_with_warmup(s, warmup, total))
+        self.anchor_gen = torch.Generator().manual_seed(cfg.seed)
+        self.queue = HSQueue(cfg.queue, self.sampler.n_buckets, mix=self.sampler.item_mix(), seed=cfg.seed)
+        self.records = RecordWriter(self.out, self.run_id, "real")
+        self._records_lock = threading.Lock()
+        self._items = self._item_iterator()
+        self._items_lock = threading.Lock()
+        self._producers_left = len(tdev)
+        self._errors: list[BaseException] = []
+        self._stage: dict[str, list[float]] = {}
+
+    # ------------------------------------------------------------------ target side
+    def _item_iterator(self) -> Iterator[ItemSpec]:
+        epochs = self.cfg.train.epochs
+        e = 0
+        while epochs is None or e < epochs:
+            yield from self.sampler.epoch(e)
+            e += 1
+
+    def _next_item(self) -> ItemSpec | None:
+        with self._items_lock:
+            return next(self._items, None)
+
+    def make_item(self, spec: ItemSpec, device: torch.device) -> QueueItem:
+        """Tokenise, pad and capture one item; the payload lives on the drafter's device and dtype."""
+        from dflash.target import collate
+
+        batch = [self.data.encode(i) for i in spec.seq_indices]
+        pad = self.target.tokenizer.pad_token_id
+        input_ids, attention_mask, loss_mask = collate(batch, pad if pad is not None else 0)
+        hidden = self.capture(input_ids.to(device), attention_mask.to(device))
+        hidden = hidden.to(self.drafter_device, self.dtype)
+        payload = (hidden, input_ids.to(self.drafter_device), attention_mask.to(self.drafter_device),
+                   loss_mask.to(self.drafter_device))
+        return QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len,
+                         hidden.numel() * hidden.element_size(), payload)
+
+    def _producer(self, worker: int, device: str) -> None:
+        try:
+            while (spec := self._next_item()) is not None:
+                t_start = self.queue.now()
+                item = self.make_item(spec, torch.device(device))
+                t_end = self.queue.now()
+                blocked = self.queue.put(item, worker=worker, timeout=QUEUE_WAIT_S)
+                if blocked is None:  # the run stopped: the item is counted as discarded
+                    return
+                with self._records_lock:
+                    self.records.write("produce", t=t_end, item_id=spec.item_id, worker=worker,
+                                       bucket=spec.bucket, n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
+                                       padded_len=spec.padded_len, t_start=t_start, t_end=t_end,
+                                       blocked_s=blocked, bytes=item.nbytes)
+        except BaseException as exc:  # surfaced by the drafter loop
+            self._errors.append(exc)
+            self.queue.stop()
+        finally:
+            with self._items_lock:
+                self._producers_left -= 1
+                last = self._producers_left == 0
+            if last:
+                self.queue.close()
+
+    # ------------------------------------------------------------------ drafter side
+    def _timed(self, name: str, t0: float) -> float:
+        dt = time.perf_counter() - t0
+        self._stage.setdefault(name, []).append(dt)
+        return dt
+
+    def train_step(self, step: int) -> dict[str, Any] | None:
+        """One synchronised step over every drafter worker; None when the data is drained."""
+        takes: list[tuple[list[QueueItem], float, int, int, int]] = []  # items, compute_s, counted, anchors, d
+        loss_sum, counted, anchors = 0.0, 0, 0
+        for d in range(self.cfg.cluster.n_drafter):
+            t0 = time.perf_counter()
+            items = self.queue.take(drafter=d, step=step, timeout=QUEUE_WAIT_S)
+            self._timed("gate_wait_s", t0)
+            if items is None:
+                continue
+            t1 = time.perf_counter()
+            w_loss, w_tokens, w_anchors = 0.0, 0, 0
+            for item in items:
+                hidden, input_ids, attention_mask, loss_mask = item.payload
+                tf = time.perf_counter()
+                out = self.drafter.loss(hidden, input_ids, loss_mask, attention_mask, generator=self.anchor_gen)
+                self._timed("drafter_forward_s", tf)
+                tb = time.perf_counter()
+                out.loss_sum.backward()  # unnormalised; divided by the global count below
+                self._timed("backward_s", tb)
+                w_loss += float(out.loss_sum.detach())
+                w_tokens += out.tokens
+                w_anchors += out.anchors
+            compute = time.perf_counter() - t1
+            loss_sum += w_loss
+            counted += w_tokens
+            anchors += w_anchors
+            takes.append((items, compute, w_tokens, w_anchors, d))
+        if not takes:
+            return None
+        to = time.perf_counter()
+        if counted > 0:
+            for p in self.drafter.trainable_parameters():
+                if p.grad is not None:
+                    p.grad.div_(counted)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.trainable_parameters(),
+                                                         self.cfg.train.grad_clip))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._timed("optimizer_s", to)
+        for items, *_ in takes:
+            self.queue.task_done(items)
+        return {"takes": takes, "loss": loss_sum / counted if counted else math.nan, "counted": counted,
+                "anchors": anchors, "lr": lr, "grad_norm": grad_norm,
+                "tokens": sum(i.real_tokens for items, *_ in takes for i in items)}
+
+    def _write_takes(self, step_out: dict[str, Any]) -> None:
+        """Take records: the queue's own log entries plus what only the drafter knows (compute)."""
+        log = self.queue.drain_take_log()
+        by_drafter = {(e.drafter, e.step): e for e in log}
+        for items, compute, tokens, anchors, d in step_out["takes"]:
+            e = by_drafter.get((d, step_out["step"]))
+            if e is None:
+                continue
+            rec = e.as_record()
+            rec.pop("kind")
+            self.records.write("take", **rec, compute_s=compute, tokens=sum(i.real_tokens for i in items),
+                               n_seqs=sum(i.n_seqs for i in items), anchors=anchors, counted_tokens=tokens)
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        max_steps = cfg.train.max_steps
+        max_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
+        threads = [threading.Thread(target=self._producer, args=(w, dev), daemon=True, name=f"target-{w}")
+                   for w, dev in enumerate(cfg.target.devices)]
+        for t in threads:
+            t.start()
+        losses: list[float] = []
+        step = 0
+        wall0 = time.perf_counter()
+        last_log = wall0
+        stopped_by = "data"
+        with self._records_lock:
+            self.records.write("control", t=self.queue.now(), accepted=True,
+                               change={"start": cfg.queue.__dict__}, reason="initial queue config")
+        while True:
+            if max_steps is not None and step >= max_steps:
+                stopped_by = "max_steps"
+                break
+            if max_s is not None and time.perf_counter() - wall0 >= max_s:
+                stopped_by = "max_minutes"
+                break
+            ts = time.perf_counter()
+            out = self.train_step(step)
+            if self._errors:
+                raise RuntimeError("a target worker failed") from self._errors[0]
+            if out is None:
+                break
+            out["step"] = step
+            step_s = time.perf_counter() - ts
+            with self._records_lock:
+                self._write_takes(out)
+                self.records.write("step", t=self.queue.now(), step=step, loss=out["loss"], lr=out["lr"],
+                                   anchors=out["anchors"], tokens=out["tokens"], counted_tokens=out["counted"],
+                                   grad_norm=out["grad_norm"], step_s=step_s,
+                                   stages={k: v[-1] for k, v in self._stage.items() if v})
+            losses.append(out["loss"])
+            step += 1
+            now = time.perf_counter()
+            if step % cfg.train.log_every == 0 or now - last_log > 30:
+                last_log = now
+                self.progress(f"step {step:>5}  loss {out['loss']:.4f}  lr {out['lr']:.2e}  "
+                              f"tokens/s {out['tokens'] / step_s:,.0f}  queue depth {self.queue.qsize()} "
+                              f"{self.queue.bucket_sizes()}")
+        close_t = self.queue.now()
+        discarded = self.queue.stop()
+        for t in threads:
+            t.join(QUEUE_WAIT_S)
+        if self._errors:
+            raise RuntimeError("a target worker failed") from self._errors[0]
+        stats = self.queue.stats()
+        summary = {"produced": stats["produced"], "trained": stats["trained"],
+                   "discarded_at_stop": stats["discarded_at_stop"], "replayed": 0, "steps": step,
+                   "stopped_by": stopped_by, "wall_s": time.perf_counter() - wall0,
+                   "discarded_ids": [i.item_id for i in discarded], "queue_stats": stats,
+                   "stage_means_s": {k: sum(v) / len(v) for k, v in self._stage.items() if v}}
+        with self._records_lock:
+            self.records.write("summary", t=close_t, **summary)
+        self.records.close()
+        metrics = self.metrics(close_t)
+        (self.out / "metrics.json").write_text(json.dumps(clean_json(metrics), indent=1))
+        self.drafter.save(self.out / "drafter")
+        (self.out / "config.json").write_text(json.dumps(clean_json(cfg.to_dict()), indent=1, default=str))
+        export_parquet(self.out)
+        return TrainResult(self.out, summary, metrics, losses)
+
+    def metrics(self, close_t: float) -> dict[str, Any]:
+        from dflash.records import read_records
+
+        trace = RunTrace.from_records(list(read_records(self.out, "produce")), list(read_records(self.out, "take")))
+        c = self.cfg
+        return run_metrics(trace, p=self.sampler.item_mix(), min_ready=c.queue.min_ready, window=c.metrics.window,
+                           warmup_s=c.metrics.warmup_s, close_t=close_t, n_target=len(c.target.devices),
+                           n_drafter=c.cluster.n_drafter, n_buckets=self.sampler.n_buckets)
