@@ -325,25 +325,66 @@ def _demo_sweep(args: argparse.Namespace, cfg: DflashConfig) -> None:
 
 
 def _train(args: argparse.Namespace, cfg: DflashConfig) -> int:
-    """A real training run (dflash/trainer.py)."""
+    """A real training run (dflash/trainer.py); ``--resume DIR`` continues one from its checkpoint."""
     if args.resume:
-        raise NotBuiltYet("--resume: issue #5")
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError("--out", "must be a new or empty directory (use --resume to continue a run)", str(out))
+        if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
+            raise ConfigError("--out", "a resumed run continues in its own directory; omit --out", args.out)
+        out = Path(args.resume)
+        if not (out / "checkpoint" / "meta.json").exists() and not (out / ".checkpoint.old" / "meta.json").exists():
+            raise ConfigError("--resume", "must be a run directory with a checkpoint", str(out))
+    else:
+        out = Path(args.out) if args.out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
+        if out.exists() and any(out.iterdir()):
+            raise ConfigError("--out", "must be a new or empty directory (use --resume to continue a run)", str(out))
     if args.wandb != "disabled":
         print(f"W&B ({args.wandb}) logging: not built yet (issue #5); the run's records are in {out}",
               file=sys.stderr)
     from dflash.trainer import Trainer
 
-    res = Trainer(cfg, out).run()
+    res = Trainer(cfg, out, resume=bool(args.resume)).run()
     s, m = res.summary, res.metrics
     print(f"done: {s['steps']} steps in {s['wall_s']:.0f} s (stopped by {s['stopped_by']}); produced "
-          f"{s['produced']} = trained {s['trained']} + discarded_at_stop {s['discarded_at_stop']}")
+          f"{s['produced']} = trained {s['trained']} + discarded_at_stop {s['discarded_at_stop']}"
+          + (f"; replayed {s['replayed']}" if s.get("replayed") else ""))
     if m.get("steady_state_reached"):
         print(_format_metrics(m))
     print(f"drafter weights: {out / 'drafter'} (load with DFlashDrafter.load(dir, target)); records: {out}")
     return 0
+
+
+def _tune_live(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """Write a validated queue change into a running trainer's control file (applied between takes)."""
+    from dflash.checkpoint import read_control, write_control
+
+    run = Path(args.run_dir)
+    base = load_run_config(run)
+    ctl = read_control(run) or {}
+    current = {**base.queue.__dict__, **ctl.get("queue", {})}
+    change = {k.removeprefix("queue."): v for k, v in _given_queue_flags(args).items()}
+    merged = with_overrides(base, {f"queue.{k}": v for k, v in {**current, **change}.items()})  # validates
+    serial = int(ctl.get("serial", 0)) + 1
+    write_control(run, {k: getattr(merged.queue, k) for k in {**ctl.get("queue", {}), **change}}, serial)
+    print(f"control #{serial} written to {run / 'control.json'}: {change}; the trainer applies it between takes "
+          f"and records it as a control record")
+    return 0
+
+
+def _given_queue_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {o.key: _config_value(o, getattr(args, o.dest)) for o in QUEUE_OPTS
+            if o.key is not None and getattr(args, o.dest) is not None}
+
+
+def load_run_config(run: Path) -> DflashConfig:
+    """The config a `dflash train` run stored in its directory."""
+    import json
+
+    from dflash.config import config_from_dict
+
+    path = run / "config.json"
+    if not path.is_file():
+        raise ConfigError("RUN_DIR", "must be a dflash train run directory (it has no config.json)", str(run))
+    data = json.loads(path.read_text())
+    return config_from_dict({k: v for k, v in data.items() if v is not None})
 
 
 REFERENCE_CONFIGS = {"baseline": (10, 30), "handpicked": (30, 90)}  # DESIGN.md's named configs
@@ -375,7 +416,7 @@ HANDLERS: dict[str, Handler] = {
     "simulate": _simulate,
     "sweep": _sweep,
     "train": _train,
-    "tune-live": NotBuilt(5),
+    "tune-live": _tune_live,
     "eval": NotBuilt(5),
     "calibrate": NotBuilt(7),
     "validate": NotBuilt(7),
@@ -502,7 +543,13 @@ def validate(verb_name: str, args: argparse.Namespace) -> DflashConfig:
                           show_got=False)
     if verb_name == "validate" and args.storage is not None and args.study is None:
         raise ConfigError("--storage", "only with --study", args.storage)
-    return with_overrides(load_config(args.config or _default_config_file(verb_name, overrides)), overrides)
+    if verb_name == "train" and getattr(args, "resume", None):
+        base = load_run_config(Path(args.resume))  # a resumed run keeps its own config; flags still apply
+    elif verb_name == "tune-live":
+        base = load_run_config(Path(args.run_dir))
+    else:
+        base = load_config(args.config or _default_config_file(verb_name, overrides))
+    return with_overrides(base, overrides)
 
 
 def _default_config_file(verb_name: str, overrides: dict[str, Any]) -> Path | None:

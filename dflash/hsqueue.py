@@ -73,6 +73,10 @@ class HSQueue:
         """Seconds since the queue was made, on the queue's clock."""
         return self._clock() - self._t0
 
+    def continue_clock_from(self, t: float) -> None:
+        """A resumed run's queue: ``now()`` continues from ``t`` (the checkpoint's time)."""
+        self._t0 = self._clock() - t
+
     # ---------------------------------------------------------------- producers
     def put(self, item: QueueItem, worker: int = 0, timeout: float | None = None) -> float | None:
         """Enqueue after blocking while the cap is reached; returns seconds blocked.

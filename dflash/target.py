@@ -143,7 +143,9 @@ def _convert_gguf(gguf: Path, entry: Path) -> None:
 
 def _load_pretrained(path_or_id: str, dtype: torch.dtype, local: bool) -> nn.Module:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our own progress lines say what is loading
     return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=local)
 
 

@@ -15,19 +15,21 @@ and the run's metrics come from :func:`dflash.runmetrics.run_metrics`, the simul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dflash.checkpoint import ItemFeed, read_checkpoint, read_control, write_checkpoint
 from dflash.config import DflashConfig
 from dflash.hsqueue import HSQueue
 from dflash.queue_core import QueueItem
@@ -101,7 +103,7 @@ class Trainer:
 
     def __init__(self, cfg: DflashConfig, out_dir: str | Path, *, target: Any = None,
                  conversations: list[Any] | None = None, progress: Callable[[str], None] | None = print,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, resume: bool = False) -> None:
         from dflash.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
         from dflash.target import HiddenStateCapture, capture_layer_ids, load_target
 
@@ -115,7 +117,10 @@ class Trainer:
             roles = len(tdev) + 1
             torch.set_num_threads(cfg.train.cpu_threads or max(1, (os.cpu_count() or 2) // roles))
         self.drafter_device = torch.device(ddev[0])
-        self.dtype = torch.bfloat16 if self.drafter_device.type == "cuda" else torch.float32
+        # On CUDA: fp32 master weights with bf16 autocast, and the queued states in bf16 (half the
+        # queue memory); on the CPU everything is fp32.
+        self.autocast = self.drafter_device.type == "cuda"
+        self.state_dtype = torch.bfloat16 if self.autocast else torch.float32
 
         t0 = time.perf_counter()
         self.target = target if target is not None else load_target(cfg.target.model, device=tdev[0])
@@ -130,7 +135,7 @@ class Trainer:
                                               drafter=cfg.drafter)
         torch.manual_seed(cfg.seed)
         self.drafter = DFlashDrafter.from_target(self.target.model, spec, device=self.drafter_device,
-                                                 dtype=self.dtype)
+                                                 dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(self.drafter.trainable_parameters(), lr=cfg.train.lr)
         total = cfg.train.schedule_steps or cfg.train.max_steps or 1000
         warmup = int(cfg.train.warmup_ratio * total)
@@ -138,25 +143,98 @@ class Trainer:
             self.optimizer, lambda s: cosine_with_warmup(s, warmup, total))
         self.anchor_gen = torch.Generator().manual_seed(cfg.seed)
         self.queue = HSQueue(cfg.queue, self.sampler.n_buckets, mix=self.sampler.item_mix(), seed=cfg.seed)
+        self.start_step = 0
+        self.before: dict[str, int] = {"trained": 0}  # counts carried over from a checkpoint
+        feed_state: dict[str, Any] = {"epoch": 0, "index": 0, "pending": []}
+        if resume:
+            feed_state = self._restore()
+        self.feed = ItemFeed(self.sampler, cfg.train.epochs, feed_state["epoch"], feed_state["index"],
+                             replay=feed_state["pending"])
         self.records = RecordWriter(self.out, self.run_id, "real")
         self._records_lock = threading.Lock()
-        self._items = self._item_iterator()
         self._items_lock = threading.Lock()
         self._producers_left = len(tdev)
+        self._control_serial = (read_control(self.out) or {}).get("serial", 0) if resume else 0
+        if not resume:  # the run's own config: `--resume` and `tune-live` read it
+            (self.out / "config.json").write_text(json.dumps(clean_json(cfg.to_dict()), indent=1, default=str))
+        self._stop_signal: str | None = None
         self._errors: list[BaseException] = []
         self._stage: dict[str, list[float]] = {}
 
-    # ------------------------------------------------------------------ target side
-    def _item_iterator(self) -> Iterator[ItemSpec]:
-        epochs = self.cfg.train.epochs
-        e = 0
-        while epochs is None or e < epochs:
-            yield from self.sampler.epoch(e)
-            e += 1
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self, step: int) -> Path:
+        """Between steps: nothing is in a drafter's hands, so pending = queued + being produced."""
+        import random
 
+        tensors = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
+                   "scheduler": self.scheduler.state_dict(), "anchor_gen": self.anchor_gen.get_state(),
+                   "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+        meta = {"step": step, "t": self.queue.now(), "run_id": self.run_id, "feed": self.feed.state(),
+                "queue_core": self.queue._core.state_dict(), "queue_config": dict(self.queue.config.__dict__),
+                "trained": self.before["trained"] + self.queue.stats()["trained"],
+                "replayed": self.before.get("replayed", 0) + self.feed.replayed}
+        return write_checkpoint(self.out, tensors, meta)
+
+    def _restore(self) -> dict[str, Any]:
+        import random
+
+        from dflash.config import QueueConfig
+        from dflash.records import truncate_after_step
+
+        got = read_checkpoint(self.out)
+        if got is None:
+            raise FileNotFoundError(f"no checkpoint in {self.out}")
+        tensors, meta = got
+        self.drafter.load_state_dict(tensors["drafter"])
+        self.optimizer.load_state_dict(tensors["optimizer"])
+        self.scheduler.load_state_dict(tensors["scheduler"])
+        self.anchor_gen.set_state(tensors["anchor_gen"])
+        torch.set_rng_state(tensors["torch_rng"])
+        random.setstate(tensors["python_rng"])
+        self.run_id = meta["run_id"]
+        self.cfg = dataclasses.replace(self.cfg, queue=QueueConfig(**meta["queue_config"]))
+        self.queue.reconfigure(self.cfg.queue)
+        self.queue._core.load_state_dict(meta["queue_core"])
+        self.start_step = int(meta["step"]) + 1
+        self.before = {"trained": int(meta["trained"]), "replayed": int(meta.get("replayed", 0))}
+        dropped = truncate_after_step(self.out, int(meta["step"]))
+        self.queue.continue_clock_from(float(meta["t"]))
+        self.progress(f"resumed at step {self.start_step} from {self.out / 'checkpoint'}; replaying "
+                      f"{len(meta['feed']['pending'])} items in flight; records dropped after the checkpoint: "
+                      f"{dropped}")
+        return meta["feed"]
+
+    # ------------------------------------------------------------------ live re-tuning
+    def poll_control(self, step: int) -> None:
+        """Apply a new control file between takes: validated like any config, recorded either way."""
+        from dflash.config import with_overrides
+        from dflash.errors import ConfigError
+
+        ctl = read_control(self.out)
+        if not ctl or ctl.get("serial", 0) <= self._control_serial:
+            return
+        self._control_serial = ctl["serial"]
+        change = ctl.get("queue", {})
+        try:
+            if not isinstance(change, dict) or not change:
+                raise ConfigError("control", "must hold a non-empty 'queue' table", change)
+            cfg = with_overrides(self.cfg, {f"queue.{k}": v for k, v in change.items()})
+        except ConfigError as exc:
+            with self._records_lock:
+                self.records.write("control", t=self.queue.now(), accepted=False, change=change, step=step,
+                                   serial=ctl["serial"], reason=exc.line())
+            self.progress(f"live change #{ctl['serial']} rejected: {exc.line()}")
+            return
+        self.cfg = cfg
+        self.queue.reconfigure(cfg.queue)
+        with self._records_lock:
+            self.records.write("control", t=self.queue.now(), accepted=True, change=change, step=step,
+                               serial=ctl["serial"], queue=dict(cfg.queue.__dict__))
+        self.progress(f"live change #{ctl['serial']} applied before step {step}: {change}")
+
+    # ------------------------------------------------------------------ target side
     def _next_item(self) -> ItemSpec | None:
-        with self._items_lock:
-            return next(self._items, None)
+        return self.feed.next()
 
     def make_item(self, spec: ItemSpec, device: torch.device) -> QueueItem:
         """Tokenise, pad and capture one item; the payload lives on the drafter's device and dtype."""
@@ -166,7 +244,7 @@ class Trainer:
         pad = self.target.tokenizer.pad_token_id
         input_ids, attention_mask, loss_mask = collate(batch, pad if pad is not None else 0)
         hidden = self.capture(input_ids.to(device), attention_mask.to(device))
-        hidden = hidden.to(self.drafter_device, self.dtype)
+        hidden = hidden.to(self.drafter_device, self.state_dtype)
         payload = (hidden, input_ids.to(self.drafter_device), attention_mask.to(self.drafter_device),
                    loss_mask.to(self.drafter_device))
         return QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len,
@@ -217,7 +295,8 @@ class Trainer:
             for item in items:
                 hidden, input_ids, attention_mask, loss_mask = item.payload
                 tf = time.perf_counter()
-                out = self.drafter.loss(hidden, input_ids, loss_mask, attention_mask, generator=self.anchor_gen)
+                with torch.autocast(self.drafter_device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                    out = self.drafter.loss(hidden, input_ids, loss_mask, attention_mask, generator=self.anchor_gen)
                 self._timed("drafter_forward_s", tf)
                 tb = time.perf_counter()
                 out.loss_sum.backward()  # unnormalised; divided by the global count below
@@ -246,6 +325,7 @@ class Trainer:
         self._timed("optimizer_s", to)
         for items, *_ in takes:
             self.queue.task_done(items)
+            self.feed.trained(i.item_id for i in items)
         return {"takes": takes, "loss": loss_sum / counted if counted else math.nan, "counted": counted,
                 "anchors": anchors, "lr": lr, "grad_norm": grad_norm,
                 "tokens": sum(i.real_tokens for items, *_ in takes for i in items)}
@@ -273,20 +353,26 @@ class Trainer:
         for t in threads:
             t.start()
         losses: list[float] = []
-        step = 0
+        step = self.start_step
         wall0 = time.perf_counter()
         last_log = wall0
         stopped_by = "data"
+        self._install_signal_handlers()
         with self._records_lock:
-            self.records.write("control", t=self.queue.now(), accepted=True,
-                               change={"start": cfg.queue.__dict__}, reason="initial queue config")
+            self.records.write("control", t=self.queue.now(), accepted=True, step=step,
+                               change={"start": dict(cfg.queue.__dict__)},
+                               reason="resumed queue config" if self.start_step else "initial queue config")
         while True:
+            if self._stop_signal is not None:
+                stopped_by = self._stop_signal
+                break
             if max_steps is not None and step >= max_steps:
                 stopped_by = "max_steps"
                 break
             if max_s is not None and time.perf_counter() - wall0 >= max_s:
                 stopped_by = "max_minutes"
                 break
+            self.poll_control(step)
             ts = time.perf_counter()
             out = self.train_step(step)
             if self._errors:
@@ -302,13 +388,18 @@ class Trainer:
                                    grad_norm=out["grad_norm"], step_s=step_s,
                                    stages={k: v[-1] for k, v in self._stage.items() if v})
             losses.append(out["loss"])
+            if (step + 1) % cfg.train.checkpoint_every == 0:
+                self.checkpoint(step)
             step += 1
             now = time.perf_counter()
             if step % cfg.train.log_every == 0 or now - last_log > 30:
                 last_log = now
-                self.progress(f"step {step:>5}  loss {out['loss']:.4f}  lr {out['lr']:.2e}  "
+                loss_txt = f"{out['loss']:.4f}" if math.isfinite(out["loss"]) else "n/a (no anchors)"
+                self.progress(f"step {step:>5}  loss {loss_txt}  lr {out['lr']:.2e}  "
                               f"tokens/s {out['tokens'] / step_s:,.0f}  queue depth {self.queue.qsize()} "
                               f"{self.queue.bucket_sizes()}")
+        if step > self.start_step:
+            self.checkpoint(step - 1)  # before the stop discards anything: queued items stay pending
         close_t = self.queue.now()
         discarded = self.queue.stop()
         for t in threads:
@@ -316,8 +407,10 @@ class Trainer:
         if self._errors:
             raise RuntimeError("a target worker failed") from self._errors[0]
         stats = self.queue.stats()
-        summary = {"produced": stats["produced"], "trained": stats["trained"],
-                   "discarded_at_stop": stats["discarded_at_stop"], "replayed": 0, "steps": step,
+        trained = self.before["trained"] + stats["trained"]
+        summary = {"produced": self.before["trained"] + stats["produced"], "trained": trained,
+                   "discarded_at_stop": stats["discarded_at_stop"],
+                   "replayed": self.before.get("replayed", 0) + self.feed.replayed, "steps": step,
                    "stopped_by": stopped_by, "wall_s": time.perf_counter() - wall0,
                    "discarded_ids": [i.item_id for i in discarded], "queue_stats": stats,
                    "stage_means_s": {k: sum(v) / len(v) for k, v in self._stage.items() if v}}
@@ -327,9 +420,21 @@ class Trainer:
         metrics = self.metrics(close_t)
         (self.out / "metrics.json").write_text(json.dumps(clean_json(metrics), indent=1))
         self.drafter.save(self.out / "drafter")
-        (self.out / "config.json").write_text(json.dumps(clean_json(cfg.to_dict()), indent=1, default=str))
         export_parquet(self.out)
         return TrainResult(self.out, summary, metrics, losses)
+
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: finish the step, checkpoint, stop cleanly (main thread only)."""
+        import signal
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, _frame: Any) -> None:
+            self._stop_signal = f"signal {signal.Signals(signum).name}"
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
 
     def metrics(self, close_t: float) -> dict[str, Any]:
         from dflash.records import read_records

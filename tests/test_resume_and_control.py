@@ -1,0 +1,174 @@
+"""Exact resume after SIGKILL, and live queue re-tuning of a running trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dflash.checkpoint import ItemFeed, write_control
+from dflash.cli import main
+from dflash.config import load_config
+from dflash.lengths import load_tokenizer
+from dflash.records import read_records
+from dflash.sampler import Sampler
+from dflash.trainer import Trainer
+from tests.tiny_models import tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def run_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A saved tiny Llama (with SmolLM2's tokenizer) and a small real ShareGPT slice as JSONL."""
+    from dflash.data import load_conversations, resolve_dataset
+
+    d = tmp_path_factory.mktemp("inputs")
+    tok = load_tokenizer("smollm2")
+    tiny_llama(vocab_size=len(tok), layers=6, init_std=0.2).save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    convs, _ = load_conversations(resolve_dataset("sharegpt"), "first_exchange", 60)
+    with open(d / "data.jsonl", "w") as f:
+        for c in convs:
+            turns = [{"from": "human" if r == "user" else "gpt", "value": v} for r, v in c.messages]
+            f.write(json.dumps({"id": c.id, "conversations": turns}) + "\n")
+    return {"model": d / "model", "data": d / "data.jsonl"}
+
+
+def write_cfg(path: Path, inputs: dict[str, Path], **train: object) -> Path:
+    extra = "\n".join(f"{k} = {json.dumps(v)}" for k, v in train.items())
+    path.write_text(f"""
+seed = 3
+[workload]
+dataset = "{inputs['data']}"
+sample = "first_exchange"
+max_len = 128
+bucket_bounds = [32, 64, 128]
+seqs_per_item = 1
+order = "length_grouped"
+mega_batch = 16
+[cluster]
+n_target = 1
+n_drafter = 1
+[queue]
+min_ready = 3
+max_depth = 6
+[target]
+model = "{inputs['model']}"
+capture_layers = 3
+[drafter]
+layers = 1
+block_size = 8
+anchors = 16
+[train]
+lr = 3e-3
+log_every = 1
+{extra}
+""")
+    return path
+
+
+def taken_ids(run: Path) -> list[str]:
+    return [i for r in read_records(run, "take") for i in r["item_ids"]]
+
+
+def test_a_killed_run_resumes_and_trains_exactly_the_same_items(tmp_path: Path, run_inputs) -> None:
+    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, epochs=1, checkpoint_every=4)
+    full = tmp_path / "full"
+    ok = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--out", str(full),
+                         "--wandb", "disabled"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--out", str(run),
+                             "--wandb", "disabled"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        steps = (run / "step.jsonl").read_text().count("\n") if (run / "step.jsonl").exists() else 0
+        if steps >= 10 and (run / "checkpoint" / "meta.json").exists():
+            break
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    meta = json.loads((run / "checkpoint" / "meta.json").read_text())
+    assert 0 < meta["step"] < 29, "the kill must land mid-run"
+    resumed = subprocess.run([sys.executable, "-m", "dflash", "train", "--resume", str(run), "--wandb", "disabled"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "replayed" in resumed.stdout or meta["feed"]["pending"] == []
+
+    ids_full, ids_run = taken_ids(full), taken_ids(run)
+    assert Counter(ids_run) == Counter(ids_full)  # the same items, each exactly once
+    assert max(Counter(ids_run).values()) == 1
+    steps = [r["step"] for r in read_records(run, "step")]
+    assert steps == list(range(len(steps)))  # the loss curve continues, no step twice
+    summary = next(read_records(run, "summary"))
+    assert summary["produced"] == summary["trained"] + summary["discarded_at_stop"]
+    assert summary["replayed"] == len(meta["feed"]["pending"])
+    lrs = [r["lr"] for r in read_records(run, "step")]
+    assert lrs == sorted(lrs, reverse=True) or lrs[0] < lrs[-1]  # warm-up/cosine continues, no restart
+
+
+def test_a_live_change_is_applied_between_takes_and_a_bad_one_is_rejected(tmp_path: Path, run_inputs) -> None:
+    cfg = load_config(write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=24))
+    out = tmp_path / "run"
+    said: list[str] = []
+
+    def progress(msg: str) -> None:
+        said.append(msg)
+        if msg.startswith("step     6 "):  # an operator runs `dflash tune-live` while the run goes on
+            assert main(["tune-live", str(out), "--hs-min-ready", "5"]) == 0
+        if msg.startswith("step    12 "):  # a bad change by hand (the CLI would refuse it)
+            write_control(out, {"min_ready": 50}, serial=2)
+
+    Trainer(cfg, out, progress=progress).run()
+    controls = list(read_records(out, "control"))
+    applied = [c for c in controls if c.get("serial") == 1]
+    rejected = [c for c in controls if c.get("serial") == 2]
+    assert applied and applied[0]["accepted"] and applied[0]["change"] == {"min_ready": 5}
+    assert rejected and not rejected[0]["accepted"] and "queue.min_ready" in rejected[0]["reason"]
+    t_apply = applied[0]["step"]
+    for take in read_records(out, "take"):
+        if take["step"] >= t_apply and take["gate"] == "ready":
+            assert take["depth_before"] >= 5  # the new gate, and it stayed after the rejected change
+        if take["step"] < t_apply and take["gate"] == "ready":
+            assert take["depth_before"] >= 3
+    assert any(t["step"] >= t_apply for t in read_records(out, "take"))
+
+
+def test_tune_live_validates_like_any_config(tmp_path: Path, run_inputs, capsys: pytest.CaptureFixture) -> None:
+    cfg = load_config(write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=1))
+    out = tmp_path / "run"
+    Trainer(cfg, out, progress=None).run()
+    capsys.readouterr()
+    assert main(["tune-live", str(out), "--hs-min-ready", "7"]) == 2  # max_depth is 6
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "queue.min_ready (--hs-min-ready)" in err
+    assert not (out / "control.json").exists()
+    assert main(["tune-live", str(tmp_path), "--hs-min-ready", "2"]) == 2
+    assert "RUN_DIR" in capsys.readouterr().err
+
+
+def test_item_feed_replays_pending_items_first_then_continues() -> None:
+    from dflash.config import WorkloadConfig
+
+    s = Sampler([10, 20, 30, 40, 50, 60, 70, 80], WorkloadConfig(max_len=128, bucket_bounds=(32, 64, 128),
+                                                              seqs_per_item=1), seed=0)
+    feed = ItemFeed(s, epochs=1)
+    drawn = [feed.next().item_id for _ in range(5)]
+    feed.trained(drawn[:2])
+    state = feed.state()
+    assert state["pending"] == drawn[2:]
+    again = ItemFeed(s, epochs=1, epoch=state["epoch"], index=state["index"], replay=state["pending"])
+    rest = []
+    while (spec := again.next()) is not None:
+        rest.append(spec.item_id)
+    assert rest[:3] == drawn[2:] and again.replayed == 3
+    assert sorted(drawn[:2] + rest) == sorted(i.item_id for i in s.epoch(0))
