@@ -546,6 +546,8 @@ def validate(verb_name: str, args: argparse.Namespace) -> DflashConfig:
     if verb_name == "train" and getattr(args, "resume", None):
         base = load_run_config(Path(args.resume))  # a resumed run keeps its own config; flags still apply
     elif verb_name == "tune-live":
+        # The values themselves first (and a --config file like anywhere), then against the run's own config.
+        with_overrides(load_config(args.config), overrides)
         base = load_run_config(Path(args.run_dir))
     else:
         base = load_config(args.config or _default_config_file(verb_name, overrides))
