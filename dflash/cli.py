@@ -336,12 +336,9 @@ def _train(args: argparse.Namespace, cfg: DflashConfig) -> int:
         out = Path(args.out) if args.out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
         if out.exists() and any(out.iterdir()):
             raise ConfigError("--out", "must be a new or empty directory (use --resume to continue a run)", str(out))
-    if args.wandb != "disabled":
-        print(f"W&B ({args.wandb}) logging: not built yet (issue #5); the run's records are in {out}",
-              file=sys.stderr)
     from dflash.trainer import Trainer
 
-    res = Trainer(cfg, out, resume=bool(args.resume)).run()
+    res = Trainer(cfg, out, resume=bool(args.resume), wandb_mode=args.wandb).run()
     s, m = res.summary, res.metrics
     print(f"done: {s['steps']} steps in {s['wall_s']:.0f} s (stopped by {s['stopped_by']}); produced "
           f"{s['produced']} = trained {s['trained']} + discarded_at_stop {s['discarded_at_stop']}"

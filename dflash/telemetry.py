@@ -69,6 +69,9 @@ Warn = Callable[[str], None]
 WANDB_MODES = ("offline", "online", "disabled")
 GIB = 1024 ** 3
 
+_wandb_runs_lock = threading.Lock()
+_wandb_runs_open = 0  # W&B runs of this process not yet finished (teardown only after the last)
+
 
 def _default_warn(msg: str) -> None:
     logger.warning(msg)
@@ -135,7 +138,7 @@ class NvmlSampler:
         return self
 
     def stop(self) -> None:
-        """Stop the thread (takes one last sample first) and shut NVML down; idempotent."""
+        """Stop the thread and shut NVML down; idempotent (samples taken stay readable)."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -417,7 +420,8 @@ class WandbLogger:
     """Logs a run to W&B, ``offline`` by default (under ``run_dir/wandb/offline-run-*``; upload later
     with ``wandb sync``), ``online`` with the user's credentials, or ``disabled`` (wandb is never
     imported). Never raises: a failed start is reported once and the logger goes disabled; a failed
-    log is reported once and logging stops. Online without credentials falls back to offline.
+    log is reported once and logging stops. Online without credentials, or whose start fails (server
+    unreachable, key rejected), falls back to offline.
 
     W&B's own system monitor is off by default (``system_stats=False``): :class:`NvmlSampler`
     provides the GPU values, and the monitor's hardware probes are what could reach out on a box
@@ -442,15 +446,30 @@ class WandbLogger:
         if mode == "disabled":
             return
         t0 = time.perf_counter()
+        args = (config, run_name, project, run_id, tags, system_stats, init_timeout_s)
         try:
-            self._run = self._init(mode, config, run_name, project, run_id, tags, system_stats, init_timeout_s)
+            self._run = self._init(mode, *args)
         except BaseException as exc:  # wandb raises UsageError/CommError (and can sys.exit): never fatal
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            self._warn(f"W&B could not start ({type(exc).__name__}: {_first_line(exc)}): W&B logging off")
+            self._run = None
+            why = f"{type(exc).__name__}: {_first_line(exc)}"
+            if self.mode == "online":  # unreachable server, rejected key: keep the run for `wandb sync`
+                self._warn(f"W&B online could not start ({why}); logging offline instead")
+                self._init_offline_fallback(*args)
+            else:
+                self._warn(f"W&B could not start ({why}): W&B logging off")
+                self.mode = "disabled"
+        self.init_s = time.perf_counter() - t0
+
+    def _init_offline_fallback(self, *args: Any) -> None:
+        try:
+            self._run = self._init("offline", *args)
+        except Exception as exc:
+            self._warn(f"W&B could not start offline either ({type(exc).__name__}: {_first_line(exc)}): "
+                       "W&B logging off")
             self._run = None
             self.mode = "disabled"
-        self.init_s = time.perf_counter() - t0
 
     def _init(self, mode: str, config: Mapping[str, Any] | None, run_name: str | None, project: str,
               run_id: str | None, tags: Sequence[str] | None, system_stats: bool, init_timeout_s: float) -> Any:
@@ -470,9 +489,13 @@ class WandbLogger:
         kwargs: dict[str, Any] = {}
         if run_id is not None:
             kwargs.update(id=run_id, resume="allow")
-        return wandb.init(project=project, name=run_name, dir=str(self.run_dir), mode=mode,
-                          config=_jsonable(dict(config or {})), tags=list(tags) if tags else None,
-                          settings=settings, reinit="create_new", **kwargs)
+        run = wandb.init(project=project, name=run_name, dir=str(self.run_dir), mode=mode,
+                         config=_jsonable(dict(config or {})), tags=list(tags) if tags else None,
+                         settings=settings, reinit="create_new", **kwargs)
+        global _wandb_runs_open
+        with _wandb_runs_lock:
+            _wandb_runs_open += 1
+        return run
 
     # ---------------------------------------------------------------- state
     @property
@@ -539,7 +562,12 @@ class WandbLogger:
             self._call(lambda: self._run.summary.update(data))
 
     def finish(self, exit_code: int | None = None) -> None:
-        """Close the run (flushes the offline files); idempotent."""
+        """Close the run and, after the process's last open run, tear W&B down; idempotent.
+
+        ``run.finish()`` alone can return before wandb's service has written the offline ``.wandb``
+        file (seen with 0.31: sometimes only its 7-byte header right after finish); ``wandb.teardown()``
+        waits for it, so the files are complete when this returns.
+        """
         with self._lock:
             run, self._run = self._run, None
         if run is None:
@@ -548,6 +576,7 @@ class WandbLogger:
             run.finish(exit_code=exit_code)
         except Exception as exc:
             self._warn(f"W&B finish failed ({type(exc).__name__}: {_first_line(exc)})")
+        _release_run(exit_code)
 
     def __enter__(self) -> WandbLogger:
         return self
@@ -571,6 +600,19 @@ class WandbLogger:
             run, self._run = self._run, None
             with contextlib.suppress(Exception):
                 run.finish(exit_code=1)
+            _release_run(1)
+
+
+def _release_run(exit_code: int | None) -> None:
+    global _wandb_runs_open
+    with _wandb_runs_lock:
+        _wandb_runs_open = max(0, _wandb_runs_open - 1)
+        last = _wandb_runs_open == 0
+    if last:
+        import wandb
+
+        with contextlib.suppress(Exception):
+            wandb.teardown(exit_code)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -36,6 +36,7 @@ from dflash.queue_core import QueueItem
 from dflash.records import RecordWriter, clean_json, export_parquet
 from dflash.runmetrics import RunTrace, run_metrics
 from dflash.sampler import ItemSpec, Sampler
+from dflash.telemetry import NvmlSampler, RollingMix, StageTimer, WandbLogger, gpu_metrics, queue_health
 
 QUEUE_WAIT_S = 600.0  # a put or take waiting this long is a bug (deadlock), not a slow target
 
@@ -103,7 +104,7 @@ class Trainer:
 
     def __init__(self, cfg: DflashConfig, out_dir: str | Path, *, target: Any = None,
                  conversations: list[Any] | None = None, progress: Callable[[str], None] | None = print,
-                 run_id: str | None = None, resume: bool = False) -> None:
+                 run_id: str | None = None, resume: bool = False, wandb_mode: str = "disabled") -> None:
         from dflash.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
         from dflash.target import HiddenStateCapture, capture_layer_ids, load_target
 
@@ -160,6 +161,9 @@ class Trainer:
         self._stop_signal: str | None = None
         self._errors: list[BaseException] = []
         self._stage: dict[str, list[float]] = {}
+        self.stages = StageTimer()  # per logging interval: mean and p95 of every stage, both roles
+        self.mix = RollingMix(self.sampler.item_mix(), cfg.metrics.window)
+        self.wandb_mode = wandb_mode
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, step: int) -> Path:
@@ -224,6 +228,7 @@ class Trainer:
                 self.records.write("control", t=self.queue.now(), accepted=False, change=change, step=step,
                                    serial=ctl["serial"], reason=exc.line())
             self.progress(f"live change #{ctl['serial']} rejected: {exc.line()}")
+            self.wb.event("queue_control", {"accepted": False, "serial": ctl["serial"], **change}, step=step)
             return
         self.cfg = cfg
         self.queue.reconfigure(cfg.queue)
@@ -231,6 +236,7 @@ class Trainer:
             self.records.write("control", t=self.queue.now(), accepted=True, change=change, step=step,
                                serial=ctl["serial"], queue=dict(cfg.queue.__dict__))
         self.progress(f"live change #{ctl['serial']} applied before step {step}: {change}")
+        self.wb.event("queue_control", {"accepted": True, "serial": ctl["serial"], **change}, step=step)
 
     # ------------------------------------------------------------------ target side
     def _next_item(self) -> ItemSpec | None:
@@ -243,8 +249,12 @@ class Trainer:
         batch = [self.data.encode(i) for i in spec.seq_indices]
         pad = self.target.tokenizer.pad_token_id
         input_ids, attention_mask, loss_mask = collate(batch, pad if pad is not None else 0)
+        t0 = time.perf_counter()
         hidden = self.capture(input_ids.to(device), attention_mask.to(device))
+        self.stages.add("target_forward", time.perf_counter() - t0)
+        t0 = time.perf_counter()
         hidden = hidden.to(self.drafter_device, self.state_dtype)
+        self.stages.add("capture_transfer", time.perf_counter() - t0)
         payload = (hidden, input_ids.to(self.drafter_device), attention_mask.to(self.drafter_device),
                    loss_mask.to(self.drafter_device))
         return QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len,
@@ -256,7 +266,9 @@ class Trainer:
                 t_start = self.queue.now()
                 item = self.make_item(spec, torch.device(device))
                 t_end = self.queue.now()
+                t_put = time.perf_counter()
                 blocked = self.queue.put(item, worker=worker, timeout=QUEUE_WAIT_S)
+                self.stages.add("enqueue", time.perf_counter() - t_put)
                 if blocked is None:  # the run stopped: the item is counted as discarded
                     return
                 with self._records_lock:
@@ -278,6 +290,7 @@ class Trainer:
     def _timed(self, name: str, t0: float) -> float:
         dt = time.perf_counter() - t0
         self._stage.setdefault(name, []).append(dt)
+        self.stages.add(name.removesuffix("_s"), dt)
         return dt
 
     def train_step(self, step: int) -> dict[str, Any] | None:
@@ -340,11 +353,36 @@ class Trainer:
                 continue
             rec = e.as_record()
             rec.pop("kind")
+            self.mix.add_take(e.bucket, [i.padded_len for i in items])
             self.records.write("take", **rec, compute_s=compute, tokens=sum(i.real_tokens for i in items),
                                n_seqs=sum(i.n_seqs for i in items), anchors=anchors, counted_tokens=tokens)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> TrainResult:
+        """Train until max_steps / max_minutes / end of data / a signal; W&B and NVML around it."""
+        cfg = self.cfg
+        self.gpus = NvmlSampler(5.0, clock=self.queue.now, warn=self.progress).start()
+        self.wb = WandbLogger(self.wandb_mode, self.out, cfg.to_dict(), self.run_id, warn=self.progress)
+        try:
+            return self._run()
+        finally:
+            self.gpus.stop()
+            sync = self.wb.sync_command  # known only while the W&B run is open
+            self.wb.finish()
+            if sync:
+                self.progress(f"W&B offline run: upload later with `{sync}`")
+
+    def _telemetry(self, out: dict[str, Any], tokens_per_s: float, samples_per_s: float) -> dict[str, Any]:
+        """One logging interval's values, for W&B and the step record alike."""
+        now = self.queue.now()
+        health = queue_health(self.queue, self._health_prev, max(now - self._health_t, 1e-9),
+                              n_drafter=self.cfg.cluster.n_drafter, n_target=len(self.cfg.target.devices))
+        self._health_prev, self._health_t = health, now
+        return {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
+                "samples_per_s": samples_per_s, **health, **self.mix.metrics(), **self.stages.metrics(),
+                **gpu_metrics(self.gpus.drain())}
+
+    def _run(self) -> TrainResult:
         cfg = self.cfg
         max_steps = cfg.train.max_steps
         max_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
@@ -357,6 +395,9 @@ class Trainer:
         wall0 = time.perf_counter()
         last_log = wall0
         stopped_by = "data"
+        interval_tokens = interval_seqs = 0
+        self._health_prev: dict[str, Any] | None = None
+        self._health_t = self.queue.now()
         self._install_signal_handlers()
         with self._records_lock:
             self.records.write("control", t=self.queue.now(), accepted=True, step=step,
@@ -381,23 +422,32 @@ class Trainer:
                 break
             out["step"] = step
             step_s = time.perf_counter() - ts
+            interval_tokens += out["tokens"]
+            interval_seqs += sum(i.n_seqs for items, *_ in out["takes"] for i in items)
+            now = time.perf_counter()
+            log_now = (step + 1) % cfg.train.log_every == 0 or now - last_log > 30
+            telemetry = None
             with self._records_lock:
                 self._write_takes(out)
+                if log_now:
+                    telemetry = self._telemetry(out, interval_tokens / (now - last_log),
+                                                interval_seqs / (now - last_log))
                 self.records.write("step", t=self.queue.now(), step=step, loss=out["loss"], lr=out["lr"],
                                    anchors=out["anchors"], tokens=out["tokens"], counted_tokens=out["counted"],
                                    grad_norm=out["grad_norm"], step_s=step_s,
-                                   stages={k: v[-1] for k, v in self._stage.items() if v})
+                                   stages={k: v[-1] for k, v in self._stage.items() if v}, telemetry=telemetry)
             losses.append(out["loss"])
             if (step + 1) % cfg.train.checkpoint_every == 0:
                 self.checkpoint(step)
-            step += 1
-            now = time.perf_counter()
-            if step % cfg.train.log_every == 0 or now - last_log > 30:
-                last_log = now
+            if telemetry is not None:
+                self.wb.log(telemetry, step=step)
                 loss_txt = f"{out['loss']:.4f}" if math.isfinite(out["loss"]) else "n/a (no anchors)"
-                self.progress(f"step {step:>5}  loss {loss_txt}  lr {out['lr']:.2e}  "
-                              f"tokens/s {out['tokens'] / step_s:,.0f}  queue depth {self.queue.qsize()} "
-                              f"{self.queue.bucket_sizes()}")
+                self.progress(f"step {step + 1:>5}  loss {loss_txt}  lr {out['lr']:.2e}  "
+                              f"tokens/s {telemetry['tokens_per_s']:,.0f}  queue depth {self.queue.qsize()} "
+                              f"{self.queue.bucket_sizes()}  mix_efficiency(rolling) "
+                              f"{telemetry.get('mix_efficiency', float('nan')):.3f}")
+                last_log, interval_tokens, interval_seqs = now, 0, 0
+            step += 1
         if step > self.start_step:
             self.checkpoint(step - 1)  # before the stop discards anything: queued items stay pending
         close_t = self.queue.now()

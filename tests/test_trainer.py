@@ -136,3 +136,21 @@ def test_the_cpu_profile_is_what_train_runs_by_default() -> None:
     assert _default_config_file("train", {"target.devices": ("cuda:0",)}) is None
     bound = load_config(ROOT / "examples" / "cpu-smollm2-drafter-bound.toml")
     assert bound.drafter.anchors > cfg.drafter.anchors and bound.drafter.layers > cfg.drafter.layers
+
+
+def test_offline_wandb_and_telemetry_land_in_the_run_and_its_records(tmp_path: Path, target,
+                                                                       conversations) -> None:
+    said: list[str] = []
+    cfg = tiny_cfg(max_steps=8, log_every=4)
+    Trainer(cfg, tmp_path, target=target, conversations=conversations, progress=said.append,
+            wandb_mode="offline").run()
+    assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb"))
+    assert any("wandb sync" in s for s in said)
+    assert sum("NVML unavailable" in s for s in said) == 1  # said once, and the run carried on
+    logged = [r for r in read_records(tmp_path, "step") if r.get("telemetry")]
+    assert [r["step"] for r in logged] == [3, 7]
+    tel = logged[-1]["telemetry"]
+    for key in ("loss", "lr", "tokens_per_s", "samples_per_s", "hs_depth", "hs_depth/bucket_0", "queued_bytes",
+                "gate_wait_ratio", "producer_blocked_ratio", "mix_efficiency", "stage/drafter_forward_mean",
+                "stage/target_forward_p95", "stage/optimizer_mean"):
+        assert key in tel, key
