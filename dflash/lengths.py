@@ -107,6 +107,23 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 # --------------------------------------------------------------------------- tokenizer
+def resolve_model(model: str) -> tuple[Path | None, Path]:
+    """``target.model`` -> (the GGUF file if it names one, the path form of the string).
+
+    ``"smollm2"`` is the packaged GGUF; a ``.gguf`` path is itself; any other existing file is an
+    error; directories and hub ids come back with ``gguf = None``. Shared by the tokenizer and
+    the model loader so both read the same string the same way.
+    """
+    p = Path(model).expanduser()
+    if model == "smollm2":
+        return packaged_target_gguf(), p
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return p.resolve(), p
+    if p.is_file():
+        raise ConfigError("target.model", "must be 'smollm2', a directory, a hub id or a .gguf path", model)
+    return None, p
+
+
 def load_tokenizer(model: str = "smollm2", cache_dir: str | Path | None = None) -> Any:
     """A transformers tokenizer with its chat template.
 
@@ -117,14 +134,7 @@ def load_tokenizer(model: str = "smollm2", cache_dir: str | Path | None = None) 
     """
     from transformers import AutoTokenizer  # lazy: the cached path must not import transformers
 
-    p = Path(model).expanduser()
-    gguf: Path | None = None
-    if model == "smollm2":
-        gguf = packaged_target_gguf()
-    elif p.is_file() and p.suffix.lower() == ".gguf":
-        gguf = p.resolve()
-    elif p.is_file():
-        raise ConfigError("target.model", "must be 'smollm2', a directory, a hub id or a .gguf path", model)
+    gguf, p = resolve_model(model)
 
     if gguf is None:
         if p.is_dir():

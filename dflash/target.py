@@ -35,7 +35,7 @@ from torch import nn
 
 from dflash.data import Conversation
 from dflash.errors import ConfigError
-from dflash.lengths import default_cache_dir, load_tokenizer, packaged_target_gguf
+from dflash.lengths import default_cache_dir, load_tokenizer, resolve_model
 
 MODEL_CACHE_FORMAT = 1  # bump when the cached conversion changes: old entries stop matching
 _MARKER = "dflash_model_source.json"  # written inside each cached model dir (before the rename)
@@ -161,14 +161,7 @@ def load_target(model: str = "smollm2", device: str | torch.device = "cpu",
     """
     t0 = time.perf_counter()
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    p = Path(model).expanduser()
-    gguf: Path | None = None
-    if model == "smollm2":
-        gguf = packaged_target_gguf()
-    elif p.is_file() and p.suffix.lower() == ".gguf":
-        gguf = p.resolve()
-    elif p.is_file():
-        raise ConfigError("target.model", "must be 'smollm2', a directory, a hub id or a .gguf path", model)
+    gguf, p = resolve_model(model)
 
     cache_hit = False
     if gguf is not None:
