@@ -170,53 +170,43 @@ class _TargetRunner:
         self.use_cache = use_cache
         self.device = _device_of(model)
         self._cache_kw = _cache_kwarg(model)
-        self._cache = _new_cache(model) if use_cache else None
+        self._cache: Any = None  # a fresh DynamicCache per prefill
         self._seq = torch.empty(0, dtype=torch.long, device=self.device)  # committed tokens (no-cache path)
 
-    def _forward(self, ids: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[keep, V]`` of the last ``keep`` positions of ``ids`` and their captured states."""
+    def _forward(self, ids: torch.Tensor, keep_logits: int,
+                 keep_states: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[keep_logits, V]`` and captured states ``[keep_states, K*d]`` of the last positions
+        of ``ids`` (appended to the cache when there is one)."""
         want_states = self.layer_ids is not None
         kw: dict[str, Any] = {"use_cache": self.use_cache, "output_hidden_states": want_states,
-                              "logits_to_keep": keep}
+                              "logits_to_keep": keep_logits}
         if self.use_cache:
             kw[self._cache_kw] = self._cache
         out = self.model(input_ids=ids[None], **kw)
-        logits = out.logits[0, -keep:]
+        logits = out.logits[0, -keep_logits:]
         states = None
         if want_states:
             hs = out.hidden_states
-            states = torch.cat([hs[i + 1][0, -keep:] for i in self.layer_ids], dim=-1)
+            states = torch.cat([hs[i + 1][0, -keep_states:] for i in self.layer_ids], dim=-1)
         return logits, states
 
     def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Last-position logits ``[V]`` and captured states of every prompt position ``[P, K*d]``."""
+        """Last-position logits ``[V]`` and captured states of every prompt position ``[P, K*d]``
+        (only the last position goes through the LM head: a full-width head would cost P x V)."""
         prompt = prompt.to(self.device)
-        n = int(prompt.numel())
         if self.use_cache:
             self._cache = _new_cache(self.model)
-            if self.layer_ids is None:
-                logits, _ = self._forward(prompt, 1)
-                return logits[-1], None
-            # logits of the last position only; states of all (a full-width head would cost P x V).
-            kw: dict[str, Any] = {"use_cache": True, "output_hidden_states": True, "logits_to_keep": 1,
-                                  self._cache_kw: self._cache}
-            out = self.model(input_ids=prompt[None], **kw)
-            states = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
-            return out.logits[0, -1], states
-        self._seq = prompt
-        want = self.layer_ids is not None
-        out = self.model(input_ids=prompt[None], use_cache=False, output_hidden_states=want, logits_to_keep=1)
-        states = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1) if want else None
-        del n
-        return out.logits[0, -1], states
+        else:
+            self._seq = prompt
+        logits, states = self._forward(prompt, 1, int(prompt.numel()))
+        return logits[-1], states
 
     def verify(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[n, V]`` and states ``[n, K*d]`` of the ``n`` block tokens appended to the sequence."""
         block = block.to(self.device)
         n = int(block.numel())
-        if self.use_cache:
-            return self._forward(block, n)
-        return self._forward(torch.cat([self._seq, block]), n)
+        ids = block if self.use_cache else torch.cat([self._seq, block])
+        return self._forward(ids, n, n)
 
     def commit(self, block: torch.Tensor, keep: int) -> None:
         """Keep the first ``keep`` tokens of the last verified ``block``; drop the rest."""
@@ -532,9 +522,7 @@ def heldout_prompts(tokenizer: Any, n: int, seed: int = 0, sample: str = "first_
     ``max_prompt_tokens`` (:func:`render_prompt`). The choice is deterministic in ``seed`` and
     skips ``skip_ids`` (conversation ids a training run used).
     """
-    path = resolve_dataset(str(dataset)) if str(dataset) == "sharegpt" or not Path(dataset).is_file() \
-        else Path(dataset)
-    convs, _ = load_conversations(path, sample, max_conversations)
+    convs, _ = load_conversations(resolve_dataset(str(dataset)), sample, max_conversations)
     chosen = select_heldout(convs, n, seed, skip_ids)
     return [render_prompt(tokenizer, c, max_prompt_tokens) for c in chosen]
 

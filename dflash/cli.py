@@ -384,6 +384,54 @@ def load_run_config(run: Path) -> DflashConfig:
     return config_from_dict({k: v for k, v in data.items() if v is not None})
 
 
+def _eval(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """Acceptance length tau of a drafter: real speculative decoding, verified greedily by the target."""
+    import json
+
+    from dflash.acceptance import evaluate_acceptance, heldout_prompts
+    from dflash.drafter import CONFIG_FILE, DFlashDrafter
+    from dflash.records import clean_json
+    from dflash.target import load_target
+
+    drafter_dir = Path(args.drafter)
+    run_dir = drafter_dir if (drafter_dir / "drafter").is_dir() else drafter_dir.parent
+    if (drafter_dir / "drafter").is_dir():
+        drafter_dir = drafter_dir / "drafter"
+    if not (drafter_dir / CONFIG_FILE).is_file():
+        raise ConfigError("--drafter", "must be a drafter directory (or a run directory holding one)", args.drafter)
+    run_cfg = load_run_config(run_dir) if (run_dir / "config.json").is_file() else cfg
+    target = load_target(run_cfg.target.model, device=run_cfg.target.devices[0])
+    drafter = DFlashDrafter.load(drafter_dir, target.model)
+    n = int(args.prompts) if args.prompts is not None else 8
+    used = trained_conversation_ids(run_dir, run_cfg)
+    prompts = heldout_prompts(target.tokenizer, n, seed=run_cfg.seed + 1, sample=run_cfg.workload.sample,
+                              skip_ids=used, dataset=run_cfg.workload.dataset)
+    res = evaluate_acceptance(target, drafter, prompts, max_new_tokens=64)
+    rates = ", ".join(f"{r:.2f}" for r in res["acceptance_rate_per_position"])
+    print(f"tau {res['tau']:.3f} over {res['steps']} verification steps, {res['num_prompts']} held-out prompts "
+          f"({len(used)} training conversations excluded); {res['tokens_per_s']:.1f} tokens/s")
+    print(f"acceptance rate per block position 1..{res['block_size'] - 1}: {rates}")
+    out = run_dir / "eval.json"
+    out.write_text(json.dumps(clean_json(res), indent=1))
+    print(f"eval: {out}")
+    return 0
+
+
+def trained_conversation_ids(run_dir: Path, cfg: DflashConfig) -> set[str]:
+    """Conversation ids of every item a run's take records show (to keep evaluation held out)."""
+    from dflash.records import read_records
+
+    item_ids = [i for r in read_records(run_dir, "take") for i in r["item_ids"]]
+    if not item_ids:
+        return set()
+    from dflash.lengths import cached_lengths
+    from dflash.sampler import Sampler
+
+    table = cached_lengths(cfg.workload, model=cfg.target.model, progress=False)
+    sampler = Sampler(table.clipped(cfg.workload.max_len), cfg.workload, seed=cfg.seed)
+    return {table.ids[k] for i in item_ids for k in sampler.item(i).seq_indices}
+
+
 REFERENCE_CONFIGS = {"baseline": (10, 30), "handpicked": (30, 90)}  # DESIGN.md's named configs
 
 
@@ -414,7 +462,7 @@ HANDLERS: dict[str, Handler] = {
     "sweep": _sweep,
     "train": _train,
     "tune-live": _tune_live,
-    "eval": NotBuilt(5),
+    "eval": _eval,
     "calibrate": NotBuilt(7),
     "validate": NotBuilt(7),
     "report": NotBuilt(8),

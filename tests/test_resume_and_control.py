@@ -172,3 +172,20 @@ def test_item_feed_replays_pending_items_first_then_continues() -> None:
         rest.append(spec.item_id)
     assert rest[:3] == drawn[2:] and again.replayed == 3
     assert sorted(drawn[:2] + rest) == sorted(i.item_id for i in s.epoch(0))
+
+
+def test_eval_measures_tau_on_held_out_prompts_of_a_run(tmp_path: Path, run_inputs,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    from dflash.cli import trained_conversation_ids
+
+    cfg_path = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=6)
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(cfg_path), "--out", str(out), "--wandb", "disabled"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--drafter", str(out), "--prompts", "3"]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads((out / "eval.json").read_text())
+    assert res["num_prompts"] == 3 and 1.0 <= res["tau"] <= 8.0 and f"tau {res['tau']:.3f}" in printed
+    used = trained_conversation_ids(out, load_config(cfg_path))
+    assert 1 <= len(used) <= 6  # one sequence per item, at most six steps
+    assert main(["eval", "--drafter", str(tmp_path)]) == 2  # not a drafter directory
