@@ -240,8 +240,15 @@ class TrainConfig:
     schedule_steps: int | None = None
     cpu_threads: int | None = None  # intra-op threads per role thread on the CPU (None: cores // roles)
     log_every: int = 10
+    eval_every: int | None = None  # acceptance length on held-out prompts every N steps (None: off)
+    eval_prompts: int = 4
+    eval_new_tokens: int = 48
 
     def __post_init__(self) -> None:
+        if self.eval_every is not None:
+            check_int("train.eval_every", self.eval_every, 1)
+        check_int("train.eval_prompts", self.eval_prompts, 1)
+        check_int("train.eval_new_tokens", self.eval_new_tokens, 1)
         if self.epochs is not None:
             check_int("train.epochs", self.epochs, 1)
         if self.schedule_steps is not None:

@@ -164,6 +164,7 @@ class Trainer:
         self.stages = StageTimer()  # per logging interval: mean and p95 of every stage, both roles
         self.mix = RollingMix(self.sampler.item_mix(), cfg.metrics.window)
         self.wandb_mode = wandb_mode
+        self.trained_conversations: set[str] = set()  # kept out of the acceptance-length prompts
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, step: int) -> Path:
@@ -339,6 +340,9 @@ class Trainer:
         for items, *_ in takes:
             self.queue.task_done(items)
             self.feed.trained(i.item_id for i in items)
+            for i in items:
+                spec = self.sampler.item(i.item_id)
+                self.trained_conversations.update(self.data.conversations[k].id for k in spec.seq_indices)
         return {"takes": takes, "loss": loss_sum / counted if counted else math.nan, "counted": counted,
                 "anchors": anchors, "lr": lr, "grad_norm": grad_norm,
                 "tokens": sum(i.real_tokens for items, *_ in takes for i in items)}
@@ -426,6 +430,8 @@ class Trainer:
             interval_seqs += sum(i.n_seqs for items, *_ in out["takes"] for i in items)
             now = time.perf_counter()
             log_now = (step + 1) % cfg.train.log_every == 0 or now - last_log > 30
+            evaluation = self.evaluate(step) if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 \
+                else None
             telemetry = None
             with self._records_lock:
                 self._write_takes(out)
@@ -435,7 +441,8 @@ class Trainer:
                 self.records.write("step", t=self.queue.now(), step=step, loss=out["loss"], lr=out["lr"],
                                    anchors=out["anchors"], tokens=out["tokens"], counted_tokens=out["counted"],
                                    grad_norm=out["grad_norm"], step_s=step_s,
-                                   stages={k: v[-1] for k, v in self._stage.items() if v}, telemetry=telemetry)
+                                   stages={k: v[-1] for k, v in self._stage.items() if v}, telemetry=telemetry,
+                                   eval=evaluation)
             losses.append(out["loss"])
             if (step + 1) % cfg.train.checkpoint_every == 0:
                 self.checkpoint(step)
@@ -472,6 +479,25 @@ class Trainer:
         self.drafter.save(self.out / "drafter")
         export_parquet(self.out)
         return TrainResult(self.out, summary, metrics, losses)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Acceptance length tau on prompts of conversations not trained on so far."""
+        from dflash.acceptance import evaluate_acceptance, render_prompt, select_heldout
+
+        c = self.cfg.train
+        chosen = select_heldout(self.data.conversations, c.eval_prompts, self.cfg.seed + 1,
+                                skip_ids=self.trained_conversations)
+        prompts = [render_prompt(self.target.tokenizer, conv) for conv in chosen]
+        self.drafter.eval()
+        try:
+            res = evaluate_acceptance(self.target, self.drafter, prompts, max_new_tokens=c.eval_new_tokens)
+        finally:
+            self.drafter.train()
+        summary = {"tau": res["tau"], "acceptance_rate_per_position": res["acceptance_rate_per_position"],
+                   "prompts": res["num_prompts"], "tokens_per_s": res["tokens_per_s"]}
+        self.wb.log({"eval/tau": res["tau"]}, step=step)
+        self.progress(f"eval after step {step + 1}: tau {res['tau']:.3f} on {res['num_prompts']} held-out prompts")
+        return summary  # goes into this step's record
 
     def _install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT: finish the step, checkpoint, stop cleanly (main thread only)."""

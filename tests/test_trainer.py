@@ -154,3 +154,14 @@ def test_offline_wandb_and_telemetry_land_in_the_run_and_its_records(tmp_path: P
                 "gate_wait_ratio", "producer_blocked_ratio", "mix_efficiency", "stage/drafter_forward_mean",
                 "stage/target_forward_p95", "stage/optimizer_mean"):
         assert key in tel, key
+
+
+def test_acceptance_length_is_measured_during_training_on_unseen_prompts(tmp_path: Path, target,
+                                                                        conversations) -> None:
+    cfg = tiny_cfg(max_steps=4, eval_every=2, eval_prompts=2, eval_new_tokens=8)
+    trainer = Trainer(cfg, tmp_path, target=target, conversations=conversations, progress=None)
+    trainer.run()
+    evals = [(r["step"], r["eval"]) for r in read_records(tmp_path, "step") if r.get("eval")]
+    assert [s for s, _ in evals] == [1, 3]
+    assert all(1.0 <= e["tau"] <= 8.0 and e["prompts"] == 2 for _, e in evals)
+    assert trainer.trained_conversations  # excluded from the prompts
