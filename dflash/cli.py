@@ -317,9 +317,11 @@ def _demo_sweep(args: argparse.Namespace, cfg: DflashConfig) -> None:
     from tuning.sweep import SweepArgs, format_result, run_sweep
 
     out = Path(args.out) if getattr(args, "out", None) else Path("dflash-demo")
-    cfg = with_overrides(cfg, {"sweep.seeds_per_trial": 2, "sweep.sim_seconds": 1800.0})
-    sargs = SweepArgs(trials=40, storage=str(out / "study.journal"), study="demo", workers=1, grid=False,
-                      out=out, calibration=None)
+    # A short study: at most 40 trials x 2 seeds x 30 simulated minutes (less if the config asks for less).
+    cfg = with_overrides(cfg, {"sweep.seeds_per_trial": min(cfg.sweep.seeds_per_trial, 2),
+                               "sweep.sim_seconds": min(cfg.sweep.sim_seconds, 1800.0)})
+    sargs = SweepArgs(trials=min(cfg.sweep.trials, 40), storage=str(out / "study.journal"), study="demo",
+                      workers=1, grid=False, out=out, calibration=None)
     res = run_sweep(cfg, sargs, progress=sys.stderr.isatty())
     print(format_result(res, False, cfg))
 

@@ -246,7 +246,8 @@ def tiny_dataset(tmp_path: Path) -> Path:
             f.write(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(f'[workload]\ndataset = "{path}"\nmax_len = 2048\n'
-                   "bucket_bounds = [128, 256, 512, 1024, 2048]\nseqs_per_item = 2\n")
+                   "bucket_bounds = [128, 256, 512, 1024, 2048]\nseqs_per_item = 2\n"
+                   "[sweep]\ntrials = 6\nsim_seconds = 120.0\n")
     return cfg
 
 
