@@ -128,7 +128,10 @@ def test_a_killed_sweep_requeues_the_dead_workers_trial_and_ends_exact(tmp_path:
         time.sleep(0.05)
         if not Path(storage).exists():
             continue
-        st = optuna.load_study(study_name="s", storage=open_storage(storage))
+        try:
+            st = optuna.load_study(study_name="s", storage=open_storage(storage))
+        except KeyError:  # the journal exists but the study is not in it yet
+            continue
         trials = st.get_trials(deepcopy=False)
         running = [t for t in trials if t.state == TrialState.RUNNING and "worker_pid" in t.user_attrs and t.params]
         if sum(t.state == TrialState.COMPLETE for t in trials) >= 1 and running:
