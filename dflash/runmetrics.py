@@ -212,3 +212,19 @@ def _max_item_age(put_t: np.ndarray, put_bucket: Sequence[int], take_t: np.ndarr
         b = put_bucket[k]
         ages[b] = max(ages[b], float(close_t - put_t[k]))
     return ages
+
+
+def loss_roughness(losses: Sequence[float | None], first_step: int = 0, last_step: int | None = None
+                   ) -> dict[str, Any]:
+    """DESIGN.md's ``loss_roughness``: std of first differences of the per-step loss / mean loss,
+    over steps [first_step, last_step] (stated beside it). Steps without a loss (no anchors) are
+    skipped; None when fewer than three losses are left."""
+    last = len(losses) - 1 if last_step is None else last_step
+    xs = [float(x) for x in losses[first_step:last + 1] if x is not None and math.isfinite(float(x))]
+    out: dict[str, Any] = {"loss_roughness": None, "loss_roughness_steps": [first_step, last]}
+    if len(xs) < 3:
+        return out
+    diffs = np.diff(np.asarray(xs))
+    mean = float(np.mean(xs))
+    out["loss_roughness"] = float(np.std(diffs, ddof=1) / mean) if mean else None
+    return out

@@ -33,8 +33,8 @@ from dflash.checkpoint import ItemFeed, read_checkpoint, read_control, write_che
 from dflash.config import DflashConfig
 from dflash.hsqueue import HSQueue
 from dflash.queue_core import QueueItem
-from dflash.records import RecordWriter, clean_json, export_parquet
-from dflash.runmetrics import RunTrace, run_metrics
+from dflash.records import RecordWriter, clean_json, export_parquet, read_records
+from dflash.runmetrics import RunTrace, loss_roughness, run_metrics
 from dflash.sampler import ItemSpec, Sampler
 from dflash.telemetry import NvmlSampler, RollingMix, StageTimer, WandbLogger, gpu_metrics, queue_health
 
@@ -475,6 +475,8 @@ class Trainer:
             self.records.write("summary", t=close_t, **summary)
         self.records.close()
         metrics = self.metrics(close_t)
+        step_losses = [r.get("loss") for r in read_records(self.out, "step")]
+        metrics.update(loss_roughness(step_losses, first_step=len(step_losses) // 2))  # the run's second half
         (self.out / "metrics.json").write_text(json.dumps(clean_json(metrics), indent=1))
         self.drafter.save(self.out / "drafter")
         export_parquet(self.out)
@@ -513,8 +515,6 @@ class Trainer:
             signal.signal(sig, handler)
 
     def metrics(self, close_t: float) -> dict[str, Any]:
-        from dflash.records import read_records
-
         trace = RunTrace.from_records(list(read_records(self.out, "produce")), list(read_records(self.out, "take")))
         c = self.cfg
         return run_metrics(trace, p=self.sampler.item_mix(), min_ready=c.queue.min_ready, window=c.metrics.window,

@@ -60,3 +60,14 @@ def test_one_bucket_streams_score_zero_efficiency() -> None:
     buckets = [0] * 320 + [1] * 320
     m = mix_metrics(buckets, buckets, buckets, [0.5, 0.5], window=32)
     assert m.mix_efficiency == 0.0 and m.n_windows == 20 and m.max_bucket_streak == 320
+
+
+def test_loss_roughness_is_the_std_of_first_differences_over_the_mean_on_the_stated_span() -> None:
+    from dflash.runmetrics import loss_roughness
+
+    smooth = loss_roughness([4.0, 3.9, 3.8, 3.7, 3.6])
+    saw = loss_roughness([4.0, 3.0, 4.0, 3.0, 4.0])
+    assert smooth["loss_roughness"] == pytest.approx(0.0, abs=1e-12)
+    assert saw["loss_roughness"] == pytest.approx(math.sqrt(4 / 3) / 3.6)  # diffs -1,+1,-1,+1
+    assert loss_roughness([1.0, None, float("nan"), 2.0])["loss_roughness"] is None
+    assert loss_roughness([5.0] * 10, first_step=4)["loss_roughness_steps"] == [4, 9]
