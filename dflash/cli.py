@@ -214,7 +214,7 @@ def _lengths(args: argparse.Namespace, cfg: DflashConfig) -> int:
         lo = hi
     from dflash.sampler import Sampler
 
-    sampler = Sampler(table.clipped(w.max_len), w, seed=cfg.seed)
+    sampler = Sampler(table.lengths, w, seed=cfg.seed)
     mix = " / ".join(f"{100 * m:.1f}" for m in sampler.item_mix())
     per_item = f"{w.seqs_per_item} seqs" if w.seqs_per_item else f"{w.tokens_per_item} tokens"
     print(f"item mix p ({per_item} per item, {sampler.items_per_epoch()} items per epoch): {mix} %")
@@ -430,8 +430,8 @@ def trained_conversation_ids(run_dir: Path, cfg: DflashConfig) -> set[str]:
     from dflash.sampler import Sampler
 
     table = cached_lengths(cfg.workload, model=cfg.target.model, progress=False)
-    sampler = Sampler(table.clipped(cfg.workload.max_len), cfg.workload, seed=cfg.seed)
-    return {table.ids[k] for i in item_ids for k in sampler.item(i).seq_indices}
+    sampler = Sampler(table.lengths, cfg.workload, seed=cfg.seed)
+    return {table.ids[k] for k in sampler.sequences_of(item_ids)}
 
 
 REFERENCE_CONFIGS = {"baseline": (10, 30), "handpicked": (30, 90)}  # DESIGN.md's named configs

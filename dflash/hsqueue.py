@@ -87,7 +87,7 @@ class HSQueue:
         with self._lock:
             t0 = self._clock() - self._t0
             if not self._stopped and not core.blocked and core.try_put(item, t0):
-                if self._waiting_drafters and core.gate() is not None:
+                if self._waiting_drafters and core.gate() is not None:  # _notify_drafters, inlined: hot path
                     self._ready.notify()
                 return 0.0
             if not self._stopped and not core.admissible(worker, item):
@@ -100,8 +100,7 @@ class HSQueue:
             blocked = t1 - t0
             self.producer_blocked_s += blocked
             core.put(item, t1)
-            if self._waiting_drafters and core.gate() is not None:
-                self._ready.notify()
+            self._notify_drafters()
             if self._waiting_producers:  # the next blocked producer in index order may fit now
                 self._space.notify_all()
             return blocked
@@ -158,8 +157,7 @@ class HSQueue:
                                        bucket_depths, reason))
             if self._waiting_producers:
                 self._space.notify_all()
-            if self._waiting_drafters and core.depth:
-                self._ready.notify()
+            self._notify_drafters()  # another drafter may take at once if the gate is still open
             return items
 
     def _wait_for_gate(self, core: QueueCore, drafter: int, timeout: float | None) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -68,6 +68,7 @@ class Sampler:
                            for bk in range(self.n_buckets)]
         # Epochs are formed once and kept: a sweep runs many simulations over one sampler.
         self._epoch = lru_cache(maxsize=64)(self._form_epoch)
+        self._by_id = lru_cache(maxsize=64)(lambda e: {it.item_id: it for it in self._epoch(e)})
 
     # ---------------------------------------------------------------- formation
     def _rng(self, epoch: int, salt: int) -> random.Random:
@@ -128,11 +129,17 @@ class Sampler:
 
     def item(self, item_id: str) -> ItemSpec:
         """Form an item again from its id alone."""
-        e, b, k = parse_item_id(item_id)
-        for it in self.epoch(e):
-            if it.bucket == b and it.item_id == item_id:
-                return it
-        raise KeyError(f"no item {item_id!r} in epoch {e} (k={k})")
+        e, _, k = parse_item_id(item_id)
+        if e < 0:
+            raise ValueError("epoch must be >= 0")
+        it = self._by_id(e).get(item_id)
+        if it is None:
+            raise KeyError(f"no item {item_id!r} in epoch {e} (k={k})")
+        return it
+
+    def sequences_of(self, item_ids: Iterable[str]) -> set[int]:
+        """Indices of the sequences that formed these items (e.g. to keep evaluation held out)."""
+        return {k for i in item_ids for k in self.item(i).seq_indices}
 
     def iter_items(self, start_epoch: int = 0, start_index: int = 0) -> Iterator[ItemSpec]:
         """Items in order from a position (the checkpointed sampler position), epoch after epoch."""

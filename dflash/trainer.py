@@ -146,6 +146,7 @@ class Trainer:
         self.queue = HSQueue(cfg.queue, self.sampler.n_buckets, mix=self.sampler.item_mix(), seed=cfg.seed)
         self.start_step = 0
         self.before: dict[str, int] = {"trained": 0}  # counts carried over from a checkpoint
+        self.trained_conversations: set[str] = set()  # kept out of the acceptance-length prompts
         feed_state: dict[str, Any] = {"epoch": 0, "index": 0, "pending": []}
         if resume:
             feed_state = self._restore()
@@ -160,11 +161,11 @@ class Trainer:
             (self.out / "config.json").write_text(json.dumps(clean_json(cfg.to_dict()), indent=1, default=str))
         self._stop_signal: str | None = None
         self._errors: list[BaseException] = []
-        self._stage: dict[str, list[float]] = {}
+        self._stage_totals: dict[str, list[float]] = {}  # name -> [sum, n] over the run
+        self._step_stages: dict[str, float] = {}  # this step's stage times (summed over items, drafters)
         self.stages = StageTimer()  # per logging interval: mean and p95 of every stage, both roles
         self.mix = RollingMix(self.sampler.item_mix(), cfg.metrics.window)
         self.wandb_mode = wandb_mode
-        self.trained_conversations: set[str] = set()  # kept out of the acceptance-length prompts
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, step: int) -> Path:
@@ -203,6 +204,8 @@ class Trainer:
         self.start_step = int(meta["step"]) + 1
         self.before = {"trained": int(meta["trained"]), "replayed": int(meta.get("replayed", 0))}
         dropped = truncate_after_step(self.out, int(meta["step"]))
+        taken = [i for r in read_records(self.out, "take") for i in r["item_ids"]]
+        self.trained_conversations = {self.data.conversations[k].id for k in self.sampler.sequences_of(taken)}
         self.queue.continue_clock_from(float(meta["t"]))
         self.progress(f"resumed at step {self.start_step} from {self.out / 'checkpoint'}; replaying "
                       f"{len(meta['feed']['pending'])} items in flight; records dropped after the checkpoint: "
@@ -290,13 +293,17 @@ class Trainer:
     # ------------------------------------------------------------------ drafter side
     def _timed(self, name: str, t0: float) -> float:
         dt = time.perf_counter() - t0
-        self._stage.setdefault(name, []).append(dt)
+        self._step_stages[name] = self._step_stages.get(name, 0.0) + dt
+        total = self._stage_totals.setdefault(name, [0.0, 0])
+        total[0] += dt
+        total[1] += 1
         self.stages.add(name.removesuffix("_s"), dt)
         return dt
 
     def train_step(self, step: int) -> dict[str, Any] | None:
         """One synchronised step over every drafter worker; None when the data is drained."""
         takes: list[tuple[list[QueueItem], float, int, int, int]] = []  # items, compute_s, counted, anchors, d
+        self._step_stages = {}
         loss_sum, counted, anchors = 0.0, 0, 0
         for d in range(self.cfg.cluster.n_drafter):
             t0 = time.perf_counter()
@@ -340,9 +347,8 @@ class Trainer:
         for items, *_ in takes:
             self.queue.task_done(items)
             self.feed.trained(i.item_id for i in items)
-            for i in items:
-                spec = self.sampler.item(i.item_id)
-                self.trained_conversations.update(self.data.conversations[k].id for k in spec.seq_indices)
+            self.trained_conversations.update(
+                self.data.conversations[k].id for k in self.sampler.sequences_of(i.item_id for i in items))
         return {"takes": takes, "loss": loss_sum / counted if counted else math.nan, "counted": counted,
                 "anchors": anchors, "lr": lr, "grad_norm": grad_norm,
                 "tokens": sum(i.real_tokens for items, *_ in takes for i in items)}
@@ -441,7 +447,7 @@ class Trainer:
                 self.records.write("step", t=self.queue.now(), step=step, loss=out["loss"], lr=out["lr"],
                                    anchors=out["anchors"], tokens=out["tokens"], counted_tokens=out["counted"],
                                    grad_norm=out["grad_norm"], step_s=step_s,
-                                   stages={k: v[-1] for k, v in self._stage.items() if v}, telemetry=telemetry,
+                                   stages=dict(self._step_stages), telemetry=telemetry,
                                    eval=evaluation)
             losses.append(out["loss"])
             if (step + 1) % cfg.train.checkpoint_every == 0:
@@ -470,7 +476,7 @@ class Trainer:
                    "replayed": self.before.get("replayed", 0) + self.feed.replayed, "steps": step,
                    "stopped_by": stopped_by, "wall_s": time.perf_counter() - wall0,
                    "discarded_ids": [i.item_id for i in discarded], "queue_stats": stats,
-                   "stage_means_s": {k: sum(v) / len(v) for k, v in self._stage.items() if v}}
+                   "stage_means_s": {k: tot / n for k, (tot, n) in self._stage_totals.items() if n}}
         with self._records_lock:
             self.records.write("summary", t=close_t, **summary)
         self.records.close()

@@ -181,7 +181,6 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
                           open_intervals=open_intervals, warmup_s=cfg.metrics.warmup_s, close_t=close_t,
                           n_target=n_target,
                           n_drafter=n_drafter, n_buckets=sampler.n_buckets)
-    metrics["peak_queue_bytes"] = core.counters.peak_queued_bytes
     metrics["loss_roughness"] = None  # predicted only by a calibrated simulator (issue #7)
     result = SimResult(metrics, summary, trace, mix, sampler.bounds,
                        time.perf_counter() - wall0)

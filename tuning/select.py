@@ -44,6 +44,16 @@ def pareto_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.Fr
     return sorted(front, key=lambda t: t.number)
 
 
+def feasible_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """The feasible Pareto front; with one objective, the single best feasible trial."""
+    ok = [t for t in trials if feasible(t)]
+    if not ok:
+        return []
+    if len(ok[0].values) == 1:
+        return [max(ok, key=lambda t: (t.values[0], -t.number))]
+    return pareto_front(ok)
+
+
 def knee_order(front: list[optuna.trial.FrozenTrial], against: list[optuna.trial.FrozenTrial] | None = None
                ) -> list[tuple[optuna.trial.FrozenTrial, float]]:
     """Trials (default: the front) by the norm of their relative shortfalls from the front's best."""
@@ -91,9 +101,10 @@ def importances(study: optuna.Study, objective_names: list[str]) -> dict[str, di
 
     for i, name in enumerate(objective_names):
         try:
-            warnings.filterwarnings("ignore", message="PedAnovaImportanceEvaluator computes")
-            imp = get_param_importances(study, evaluator=PedAnovaImportanceEvaluator(), params=varied,
-                                        target=lambda t, i=i: -t.values[i])
+            with warnings.catch_warnings():  # we negate the maximised objectives, as it asks
+                warnings.filterwarnings("ignore", message="PedAnovaImportanceEvaluator computes")
+                imp = get_param_importances(study, evaluator=PedAnovaImportanceEvaluator(), params=varied,
+                                            target=lambda t, i=i: -t.values[i])
         except (RuntimeError, ValueError):
             continue
         out[name] = {k: float(v) for k, v in imp.items()}

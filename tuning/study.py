@@ -51,7 +51,7 @@ def storage_url_or_default(url: str | None, out_dir: Path) -> str:
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
-    if url.startswith(("postgresql://", "postgresql+psycopg2://", "mysql://", "mysql+pymysql://")):
+    if url.startswith(("postgresql://", "postgresql+psycopg2://")):
         # SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3; we ship psycopg2 (binary wheels).
         engine_url = "postgresql+psycopg2://" + url.removeprefix("postgresql://") \
             if url.startswith("postgresql://") else url
@@ -230,9 +230,3 @@ def feasible(trial: optuna.trial.FrozenTrial) -> bool:
     """All constraints <= 0; a trial with none recorded (an old or foreign one) is not trusted."""
     values = trial.constraints
     return bool(values) and all(c <= 0 for c in values.values())
-
-
-def study_summary(study: optuna.Study) -> dict[str, Any]:
-    complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
-    return {"complete": len(complete), "feasible": sum(feasible(t) for t in complete),
-            "all": len(study.get_trials(deepcopy=False))}

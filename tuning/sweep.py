@@ -22,7 +22,7 @@ from dflash.config import DflashConfig
 from dflash.errors import ConfigError
 from dflash.records import clean_json
 from tuning.evaluate import ATTR_METRICS, OBJECTIVES, Evaluator, constraint_values
-from tuning.select import NAMED, complete_trials, importances, knee_order, pareto_front, select_top_k, write_selection
+from tuning.select import NAMED, complete_trials, feasible_front, importances, knee_order, select_top_k, write_selection
 from tuning.space import SearchSpace, effective_queue, parse_space
 from tuning.study import (
     counts,
@@ -50,7 +50,7 @@ def _grid(cfg: DflashConfig) -> dict[str, list[Any]]:
     return {"pair": [f"{a}/{b}" for a, b in cfg.sweep.grid_pairs], "policy": list(cfg.sweep.grid_policies)}
 
 
-def _identity(cfg: DflashConfig, args: SweepArgs, space: SearchSpace | None) -> dict[str, Any]:
+def _identity(cfg: DflashConfig, args: SweepArgs) -> dict[str, Any]:
     return {"space": cfg.sweep.space if not args.grid else _grid(cfg), "grid": args.grid,
             "mode": cfg.sweep.mode, "seeds_per_trial": cfg.sweep.seeds_per_trial, "seed": cfg.seed,
             "sim_seconds": cfg.sweep.sim_seconds, "calibration": args.calibration,
@@ -66,7 +66,7 @@ def open_study(cfg: DflashConfig, args: SweepArgs, space: SearchSpace | None) ->
     with study_lock(args.storage, args.study):  # several workers may open a new study at once
         study = optuna.create_study(storage=storage, study_name=args.study, sampler=sampler,
                                     directions=["maximize"] * n_obj, load_if_exists=True)
-        identity = clean_json(_identity(cfg, args, space))
+        identity = clean_json(_identity(cfg, args))
         stored = study.user_attrs.get("identity")
         if stored is None:
             study.set_user_attr("identity", identity)
@@ -174,15 +174,17 @@ class _Progress:
         self.study, self.t0, self.start = study, t0, start
         self.bar = tqdm(total=target, initial=start, desc="trials", unit="trial", disable=not enabled,
                         dynamic_ncols=True)
+        self._front_t, self._front = -1e9, 0
 
     def update(self) -> None:
+        """Trials done on every call; the front size (a quadratic pass) at most every 2 s."""
+        now = time.perf_counter()
         trials = complete_trials(self.study)
-        n = len(trials)
-        ok = [t for t in trials if feasible(t)]
-        front = len(pareto_front(ok)) if ok and len(ok[0].values) > 1 else min(len(ok), 1)
-        rate = (n - self.start) / max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.n = n
-        self.bar.set_postfix(trials_per_s=f"{rate:.2f}", front=front, refresh=False)
+        if now - self._front_t >= 2.0 or len(trials) >= self.bar.total:
+            self._front_t, self._front = now, len(feasible_front(trials))
+        rate = (len(trials) - self.start) / max(now - self.t0, 1e-9)
+        self.bar.n = len(trials)
+        self.bar.set_postfix(trials_per_s=f"{rate:.2f}", front=self._front, refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:
@@ -195,7 +197,7 @@ def finish(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: E
     trials = complete_trials(study)
     objective_names = list(OBJECTIVES) if len((trials and trials[0].values) or [0, 0]) == 2 else ["mix_efficiency"]
     ok = [t for t in trials if feasible(t)]
-    front = pareto_front(ok) if ok and len(ok[0].values) > 1 else ok[:1]
+    front = feasible_front(trials)
     top = select_top_k(study, cfg.sweep.top_k)
     named = {name: evaluator.evaluate(effective_queue(cfg.queue, params)) for name, params in NAMED.items()}
     configs = []
