@@ -58,7 +58,7 @@ def _identity(cfg: DflashConfig, args: SweepArgs) -> dict[str, Any]:
             "queue_base": dict(cfg.queue.__dict__)}
 
 
-def open_study(cfg: DflashConfig, args: SweepArgs, space: SearchSpace | None) -> optuna.Study:
+def open_study(cfg: DflashConfig, args: SweepArgs) -> optuna.Study:
     storage = open_storage(args.storage)
     sampler_name = "grid" if args.grid else cfg.sweep.sampler
     sampler = make_optuna_sampler(sampler_name, cfg.seed, _grid(cfg) if args.grid else None)
@@ -127,7 +127,7 @@ def _reference_throughput(cfg: DflashConfig, study: optuna.Study, space: SearchS
 def _worker_main(cfg: DflashConfig, args: SweepArgs) -> None:
     """One worker process: its own evaluator (samplers cached per process), the shared storage."""
     space = None if args.grid else parse_space(cfg.sweep.space)
-    study = open_study(cfg, args, space)
+    study = open_study(cfg, args)
     evaluator = Evaluator(cfg)
     reference = (float(study.user_attrs["reference_throughput"])
                  if "reference_throughput" in study.user_attrs else None)
@@ -137,7 +137,7 @@ def _worker_main(cfg: DflashConfig, args: SweepArgs) -> None:
 def run_sweep(cfg: DflashConfig, args: SweepArgs, progress: bool = True) -> dict[str, Any]:
     space = None if args.grid else parse_space(cfg.sweep.space)  # bad definitions fail before any write
     args.out.mkdir(parents=True, exist_ok=True)
-    study = open_study(cfg, args, space)
+    study = open_study(cfg, args)
     evaluator = Evaluator(cfg)
     reference = _reference_throughput(cfg, study, space, evaluator)
     t0 = time.perf_counter()
