@@ -174,6 +174,26 @@ VERBS: dict[str, Verb] = {
         Opt("INPUT", "inpath", "run directories, records or study files", required=True, repeat=True),
         Opt("--out", "outdir", "output directory", metavar="DIR"),
     )),
+    "regenerate": Verb("regenerate the data set's replies with the target (ShareGPT JSONL out)", opts=(
+        Opt("--out", "outfile", "ShareGPT-format JSONL to write or extend", required=True, metavar="DATA.jsonl"),
+        Opt("--backend", "choice", "who generates: local transformers generate, or an OpenAI-compatible server",
+            choices=("transformers", "server"), default="transformers", metavar="{transformers,server}"),
+        Opt("--url", "str", "base URL of the OpenAI-compatible server (with --backend server)", metavar="URL"),
+        Opt("--server-model", "str", "model name sent to the server (default: the server's first model)",
+            metavar="NAME"),
+        Opt("--turns", "choice", "which user turns get a regenerated reply", choices=("first", "all"),
+            default="first", metavar="{first,all}"),
+        Opt("--limit", "int", "regenerate at most this many prompts (>= 1)", lo=1, metavar="N"),
+        Opt("--max-new-tokens", "int", "bound on each reply's new tokens (>= 1)", lo=1, metavar="N"),
+        Opt("--temperature", "float", "sampling temperature; 0 = greedy (>= 0)", metavar="T"),
+        Opt("--top-p", "float", "nucleus sampling mass (0 < P <= 1)", metavar="P"),
+        Opt("--batch-size", "int", "prompts per generate call (transformers back end, >= 1)", lo=1, metavar="N"),
+        Opt("--concurrency", "int", "requests in flight (server back end, >= 1)", lo=1, metavar="N"),
+        Opt("--retries", "int", "retries of a failed request (server back end, >= 0)", lo=0, metavar="N"),
+        Opt("--timeout", "float", "seconds per request (server back end, > 0)", lo=0, metavar="S"),
+        Opt("--device", "str", "device of the transformers back end (default: the config's first target device)",
+            metavar="DEV"),
+    )),
     "lengths": Verb("tokenise the configured data set; print the cached length table and bucket shares"),
     "demo": Verb("the main job, end to end", opts=(
         Opt("--out", "outdir", "output directory (default: dflash-demo)", metavar="DIR"),
@@ -458,6 +478,34 @@ def _demo_simulate(cfg: DflashConfig) -> None:
     print("(default cluster: 4 target + 4 drafter H200 workers, 8B-class timing; see examples/)")
 
 
+def _calibrate(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """Fit the simulator's timing and loss models to runs' records or timing logs (simulator/fit.py)."""
+    from simulator.calibration import calibrate, format_calibration, write_calibration
+
+    out = Path(args.out) if args.out else Path("calibration.json")
+    if out.suffix != ".json":
+        raise ConfigError("--out", "must be a .json file path", str(out))
+    data = calibrate(args.run, cfg, seed=cfg.seed)
+    print(format_calibration(data))
+    write_calibration(data, out)
+    print(f"calibration: {out}  (use: dflash simulate --calibration {out}; dflash sweep --calibration {out})")
+    return 0
+
+
+def _regenerate(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """Target-regenerated replies for the configured data set (dflash/regenerate.py)."""
+    from dflash.regenerate import handle
+
+    return handle(args, cfg)
+
+
+def _report(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """One self-contained HTML report and its Markdown twin (reports/)."""
+    from reports.build import handle
+
+    return handle(args, cfg)
+
+
 # One entry per verb; replace a NotBuilt(...) with the real handler when its issue lands.
 HANDLERS: dict[str, Handler] = {
     "simulate": _simulate,
@@ -465,9 +513,10 @@ HANDLERS: dict[str, Handler] = {
     "train": _train,
     "tune-live": _tune_live,
     "eval": _eval,
-    "calibrate": NotBuilt(7),
+    "calibrate": _calibrate,
     "validate": NotBuilt(7),
-    "report": NotBuilt(8),
+    "report": _report,
+    "regenerate": _regenerate,
     "lengths": _lengths,
     "demo": _demo,
 }

@@ -397,6 +397,51 @@ class TimingConfig:
         check_int("timing.dtype_bytes", self.dtype_bytes, 1)
 
 
+@dataclass(frozen=True)
+class LossModelConfig:
+    """How the step loss depends on the bucket make-up of a step (fitted by ``dflash calibrate``).
+
+    The simulator has no model to train, yet the loss's roughness is decided by the order in which
+    buckets reach the drafter. So a calibration fits, from a real run,
+    ``log loss_s = trend(step) + sum_b f_sb * bucket_log_mean[b] + e_s``, with ``f_sb`` the share of
+    the step's tokens from bucket ``b``, ``trend`` a polynomial in ``log(step + 1)`` (``trend_coef``,
+    highest power first; flat after ``trend_last_step``), and ``e_s`` AR(1) noise of lag-1
+    correlation ``autocorr`` whose spread is ``bucket_log_sd[b]``. A calibrated simulation replays
+    its own take order through this model ``draws`` times and reports the mean ``loss_roughness``.
+    Empty tables (the default): no prediction.
+    """
+
+    bucket_log_mean: tuple[float, ...] = ()
+    bucket_log_sd: tuple[float, ...] = ()
+    trend_coef: tuple[float, ...] = ()
+    trend_last_step: int = 0
+    autocorr: float = 0.0
+    draws: int = 16
+
+    def __post_init__(self) -> None:
+        for key in ("bucket_log_mean", "bucket_log_sd", "trend_coef"):
+            v = getattr(self, key)
+            if not isinstance(v, (list, tuple)) or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
+                raise ConfigError(f"loss_model.{key}", "must be a list of finite numbers", v)
+            object.__setattr__(self, key, tuple(float(x) for x in v))
+        if len(self.bucket_log_sd) != len(self.bucket_log_mean):
+            raise ConfigError("loss_model.bucket_log_sd", "must have one value per bucket, like bucket_log_mean",
+                              self.bucket_log_sd)
+        if any(x < 0 for x in self.bucket_log_sd):
+            raise ConfigError("loss_model.bucket_log_sd", "must be >= 0", self.bucket_log_sd)
+        if self.bucket_log_mean and not self.trend_coef:
+            raise ConfigError("loss_model.trend_coef", "must be non-empty when bucket_log_mean is given",
+                              self.trend_coef)
+        check_int("loss_model.trend_last_step", self.trend_last_step, 0)
+        check_float("loss_model.autocorr", self.autocorr, -0.99, 0.99)
+        check_int("loss_model.draws", self.draws, 1)
+
+    @property
+    def fitted(self) -> bool:
+        return bool(self.bucket_log_mean)
+
+
 def _check_devices(key: str, devices: object) -> None:
     if isinstance(devices, str):
         raise ConfigError(key, "must be a list such as [\"cpu\"] or [\"cuda:0\", \"cuda:1\"]", devices)
@@ -418,6 +463,7 @@ SECTIONS: dict[str, type] = {
     "metrics": MetricsConfig,
     "sweep": SweepConfig,
     "timing": TimingConfig,
+    "loss_model": LossModelConfig,
 }
 
 
@@ -432,6 +478,7 @@ class DflashConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     timing: TimingConfig = field(default_factory=TimingConfig)
+    loss_model: LossModelConfig = field(default_factory=LossModelConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:

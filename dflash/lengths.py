@@ -40,7 +40,7 @@ from dflash.config import WorkloadConfig
 from dflash.data import Conversation, ParseStats, load_conversations, resolve_dataset
 from dflash.errors import ConfigError
 
-LENGTHS_FORMAT = 1  # bump when rendering or counting changes: old cache files stop matching
+LENGTHS_FORMAT = 2  # bump when rendering or counting changes: old cache files stop matching
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                     "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json")
@@ -226,6 +226,30 @@ def conversation_token_lengths(convs: Iterable[Conversation], tokenizer: Any, *,
     return out
 
 
+def prompt_token_lengths(convs: Iterable[Conversation], tokenizer: Any, *, batch_size: int = 256) -> list[int]:
+    """Tokens before the first response token of each conversation: the first user turn (and any
+    system turn) rendered with the assistant header (``add_generation_prompt``).
+
+    The drafter trains only on positions inside responses, so how many anchors a truncated sequence
+    offers depends on where its first response starts; the simulator uses this to give each
+    sequence the anchor count the trainer will find (for multi-turn conversations it counts every
+    token after the first prompt as response, an upper bound). A conversation without a response
+    gets its full length.
+    """
+    out: list[int] = []
+    convs = list(convs)
+    for start in range(0, len(convs), batch_size):
+        prompts = []
+        for conv in convs[start:start + batch_size]:
+            msgs = _messages(conv)
+            first = next((k for k, m in enumerate(msgs) if m["role"] == "assistant"), None)
+            prompts.append(msgs[:first] if first is not None else msgs)
+        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        out.extend(len(x) for x in ids)
+    return out
+
+
 # --------------------------------------------------------------------------- tables
 @dataclass(frozen=True)
 class LengthTable:
@@ -236,10 +260,13 @@ class LengthTable:
     key: str
     source: Mapping[str, Any] = field(default_factory=dict)
     stats: ParseStats = field(default_factory=ParseStats)
+    prompt_lengths: tuple[int, ...] = ()  # tokens before the first response token; empty when unknown
 
     def __post_init__(self) -> None:
         if len(self.ids) != len(self.lengths):
             raise ValueError(f"{len(self.ids)} ids but {len(self.lengths)} lengths")
+        if self.prompt_lengths and len(self.prompt_lengths) != len(self.lengths):
+            raise ValueError(f"{len(self.prompt_lengths)} prompt lengths but {len(self.lengths)} lengths")
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -254,7 +281,8 @@ class LengthTable:
 
     def to_json(self) -> dict[str, Any]:
         return {"format": LENGTHS_FORMAT, "key": self.key, "source": dict(self.source),
-                "stats": asdict(self.stats), "ids": list(self.ids), "lengths": list(self.lengths)}
+                "stats": asdict(self.stats), "ids": list(self.ids), "lengths": list(self.lengths),
+                "prompt_lengths": list(self.prompt_lengths)}
 
 
 class LengthCache:
@@ -300,7 +328,8 @@ class LengthCache:
             return LengthTable(ids=tuple(str(i) for i in data["ids"]),
                                lengths=tuple(int(n) for n in data["lengths"]),
                                key=key, source=data.get("source", {}),
-                               stats=ParseStats(**data.get("stats", {})))
+                               stats=ParseStats(**data.get("stats", {})),
+                               prompt_lengths=tuple(int(n) for n in data.get("prompt_lengths", ())))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
@@ -354,13 +383,14 @@ def cached_lengths(workload: WorkloadConfig, model: str = "smollm2", cache_dir: 
               f"(once; cached in {cache.dir})", file=sys.stderr)
     t0 = time.perf_counter()
     lengths = conversation_token_lengths(convs, tok, progress=progress)
+    prompts = prompt_token_lengths(convs, tok)
     st = data_path.stat()
     source = {"dataset": str(data_path), "dataset_size": st.st_size, "dataset_mtime_ns": st.st_mtime_ns,
               "sample": sample, "max_conversations": max_conv, "tokenizer": tid,
               "tokenise_s": round(time.perf_counter() - t0, 3),
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     table = LengthTable(ids=tuple(c.id for c in convs), lengths=tuple(lengths), key=key, source=source,
-                        stats=stats)
+                        stats=stats, prompt_lengths=tuple(min(p, n) for p, n in zip(prompts, lengths, strict=True)))
     with contextlib.suppress(OSError):  # a read-only cache still gives the caller its lengths
         cache.save(table, data_path, sample)
     return table

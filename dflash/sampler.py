@@ -53,7 +53,8 @@ class Sampler:
     ``lengths`` are real token counts per sequence; they are clipped to ``workload.max_len``.
     """
 
-    def __init__(self, lengths: Sequence[int], workload: WorkloadConfig, seed: int = 0) -> None:
+    def __init__(self, lengths: Sequence[int], workload: WorkloadConfig, seed: int = 0,
+                 prompt_lengths: Sequence[int] | None = None) -> None:
         if not lengths:
             raise ValueError("the sampler needs at least one sequence length")
         if any(int(n) < 1 for n in lengths):
@@ -63,6 +64,9 @@ class Sampler:
         self.bounds = workload.bucket_bounds
         self.n_buckets = len(self.bounds)
         self.lengths = [min(int(n), workload.max_len) for n in lengths]
+        # Tokens before each sequence's first response token (None: unknown); only the simulator's
+        # anchor counts use them.
+        self.prompt_lengths = [int(n) for n in prompt_lengths] if prompt_lengths else None
         self.seq_bucket = [bucket_of(n, self.bounds) for n in self.lengths]
         self._by_bucket = [[i for i, b in enumerate(self.seq_bucket) if b == bk]
                            for bk in range(self.n_buckets)]

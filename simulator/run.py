@@ -63,7 +63,9 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     target_time = TargetTime(cfg.timing, random.Random(seed_rng.random()))
     drafter_time = DrafterTime(cfg.timing, random.Random(seed_rng.random()))
     bytes_per_token = cfg.target.capture_layers * cfg.timing.hidden_size * cfg.timing.dtype_bytes
-    seq_anchors = [anchors_for([n], cfg.timing, cfg.drafter) for n in sampler.lengths]
+    prompts = sampler.prompt_lengths
+    seq_anchors = [anchors_for([n], cfg.timing, cfg.drafter, None if prompts is None else [prompts[k]])
+                   for k, n in enumerate(sampler.lengths)]
 
     trace = RunTrace()
     produce_rows, take_rows = trace.produce_rows, trace.take_rows  # field orders: dflash.runmetrics
@@ -181,12 +183,21 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
                           open_intervals=open_intervals, warmup_s=cfg.metrics.warmup_s, close_t=close_t,
                           n_target=n_target,
                           n_drafter=n_drafter, n_buckets=sampler.n_buckets)
-    metrics["loss_roughness"] = None  # predicted only by a calibrated simulator (issue #7)
+    metrics.update(predicted_roughness(cfg, trace))
     result = SimResult(metrics, summary, trace, mix, sampler.bounds,
                        time.perf_counter() - wall0)
     if records_dir is not None:
         write_records(result, records_dir, run_id or f"sim-{uuid.uuid4().hex[:8]}", close_t)
     return result
+
+
+def predicted_roughness(cfg: DflashConfig, trace: RunTrace) -> dict[str, Any]:
+    """``loss_roughness`` of this take order under the calibrated loss model (None without one)."""
+    if not cfg.loss_model.fitted:
+        return {"loss_roughness": None}
+    from simulator.loss_model import makeup_from_takes, predict_loss_roughness
+
+    return predict_loss_roughness(makeup_from_takes(list(trace.take_records())), cfg.loss_model, seed=cfg.seed)
 
 
 def write_records(result: SimResult, out_dir: str | Path, run_id: str, close_t: float) -> None:

@@ -49,10 +49,20 @@ class ItemShape:
     anchors: int
 
 
-def anchors_for(seq_lengths: Sequence[int], timing: TimingConfig, drafter: DrafterConfig) -> int:
-    """Anchors of one item: per sequence min(drafter.anchors, response tokens that can start a block)."""
+def anchors_for(seq_lengths: Sequence[int], timing: TimingConfig, drafter: DrafterConfig,
+                prompt_lengths: Sequence[int] | None = None) -> int:
+    """Anchors of one item: per sequence min(drafter.anchors, response tokens that can start a block).
+
+    With ``prompt_lengths`` (from the data set) this is the trainer's own count: response tokens
+    inside the (truncated) sequence, a block's length from its end; a long prompt truncated past its
+    response gives none, and such items cost the drafter almost nothing. Without, the response is
+    ``timing.response_fraction`` of the sequence and every sequence gets at least one anchor.
+    """
     total = 0
-    for n in seq_lengths:
+    for k, n in enumerate(seq_lengths):
+        if prompt_lengths is not None:
+            total += max(0, min(drafter.anchors, n - prompt_lengths[k] - drafter.block_size + 1))
+            continue
         response = int(n * timing.response_fraction)
         total += max(1, min(drafter.anchors, response - drafter.block_size + 1))
     return total

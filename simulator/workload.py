@@ -57,5 +57,17 @@ def load_lengths(workload: WorkloadConfig, model: str = "smollm2", seed: int = 0
     return list(load_lengths_file(path).lengths)
 
 
+def load_lengths_and_prompts(workload: WorkloadConfig, model: str = "smollm2", seed: int = 0
+                             ) -> tuple[list[int], list[int] | None]:
+    """Lengths plus, for the data set, where each sequence's response starts (anchor counts)."""
+    if workload.lengths == "dataset":
+        from dflash.lengths import cached_lengths
+
+        table = cached_lengths(workload, model=model)
+        return list(table.lengths), list(table.prompt_lengths) or None
+    return load_lengths(workload, model, seed), None
+
+
 def make_sampler(workload: WorkloadConfig, model: str = "smollm2", seed: int = 0) -> Sampler:
-    return Sampler(load_lengths(workload, model, seed), workload, seed=seed)
+    lengths, prompts = load_lengths_and_prompts(workload, model, seed)
+    return Sampler(lengths, workload, seed=seed, prompt_lengths=prompts)

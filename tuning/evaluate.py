@@ -14,13 +14,14 @@ from typing import Any
 from dflash.config import DflashConfig, QueueConfig, with_overrides
 from dflash.sampler import Sampler
 from simulator.run import simulate
-from simulator.workload import load_lengths
+from simulator.workload import load_lengths_and_prompts
 
 OBJECTIVES = ("throughput_tokens_per_s", "mix_efficiency")  # both maximised
 ATTR_METRICS = (
     "throughput_tokens_per_s", "mix_efficiency", "samples_per_s", "peak_queue_bytes", "mix_kl",
     "mix_entropy", "length_autocorr", "max_bucket_streak", "drafter_utilization", "target_utilization",
     "drafter_gate_wait_frac", "producer_blocked_frac", "mean_queue_depth", "mean_queue_bytes",
+    "loss_roughness",  # NaN unless the config carries a calibrated loss model
 )
 GIB = 2**30
 
@@ -46,12 +47,13 @@ class Evaluator:
         self.cfg = cfg
         self.seeds = tuple(cfg.seed + r for r in range(seeds or cfg.sweep.seeds_per_trial))
         self.sim_seconds = sim_seconds or cfg.sweep.sim_seconds
-        self._lengths = load_lengths(cfg.workload, cfg.target.model, cfg.seed)
+        self._lengths, self._prompts = load_lengths_and_prompts(cfg.workload, cfg.target.model, cfg.seed)
         self._samplers: dict[int, Sampler] = {}
 
     def sampler(self, seed: int) -> Sampler:
         if seed not in self._samplers:
-            self._samplers[seed] = Sampler(self._lengths, self.cfg.workload, seed=seed)
+            self._samplers[seed] = Sampler(self._lengths, self.cfg.workload, seed=seed,
+                                           prompt_lengths=self._prompts)
         return self._samplers[seed]
 
     def evaluate(self, queue: QueueConfig) -> Evaluation:
