@@ -118,7 +118,11 @@ def _from_run(p: Path, index: int) -> RunData:
                 continue
             lengths = prompts = None
             if sampler is not None:
-                seqs = [k for i in r["item_ids"] for k in sampler.item(i).seq_indices]
+                try:
+                    seqs = [k for i in r["item_ids"] for k in sampler.item(i).seq_indices]
+                except (KeyError, IndexError, ValueError):  # ids from another data set: use observed anchors
+                    sampler = None
+                    continue
                 lengths = tuple(sampler.lengths[k] for k in seqs)
                 if sampler.prompt_lengths is not None:
                     prompts = tuple(sampler.prompt_lengths[k] for k in seqs)

@@ -1,0 +1,228 @@
+"""Calibration: it recovers what generated the records, refuses what it cannot fit, and its loss
+model predicts roughness from the take order alone."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash.cli import main
+from dflash.config import DflashConfig, LossModelConfig, with_overrides
+from dflash.errors import ConfigError
+from dflash.records import read_records
+from simulator.calibration import apply_calibration, calibrate
+from simulator.loss_model import StepMakeup, fit_loss_model, predict_loss_roughness
+from simulator.run import simulate
+from simulator.workload import make_sampler
+
+KNOWN = {"target_fixed_s": 0.05, "target_per_token_s": 2.0e-3, "target_per_token2_s": 0.0,
+         "drafter_fixed_s": 0.02, "drafter_per_token_s": 1.0e-4, "drafter_per_anchor_s": 5.0e-3}
+
+
+def known_config(noise: str = "lognormal", **queue: int) -> DflashConfig:
+    """A target-bound pipeline on lognormal lengths with known time terms and 5% noise."""
+    return with_overrides(DflashConfig(), {
+        "workload.lengths": "lognormal", "workload.length_median": 150, "workload.length_sigma": 0.8,
+        "workload.n_sequences": 3000, "workload.max_len": 512, "workload.bucket_bounds": (64, 128, 256, 384, 512),
+        "workload.seqs_per_item": 1, "cluster.n_target": 1, "cluster.n_drafter": 1,
+        "queue.min_ready": queue.get("min_ready", 4), "queue.max_depth": queue.get("max_depth", 12),
+        "drafter.anchors": 16, "drafter.block_size": 8,
+        **{f"timing.{k}": v for k, v in KNOWN.items()},
+        "timing.target_noise": noise, "timing.target_cv": 0.05, "timing.drafter_noise": noise,
+        "timing.drafter_cv": 0.05, "timing.response_fraction": 0.5})
+
+
+@pytest.fixture(scope="module")
+def sim_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[DflashConfig, Path]:
+    cfg = known_config()
+    out = tmp_path_factory.mktemp("sim") / "run"
+    simulate(cfg, make_sampler(cfg.workload, seed=0), sim_seconds=1500, records_dir=out)
+    return cfg, out
+
+
+def test_calibration_recovers_the_time_terms_that_generated_the_records(sim_run) -> None:
+    cfg, run = sim_run
+    data = calibrate([run], DflashConfig())
+    t, fit = data["timing"], data["fit"]
+    assert t["target_fixed_s"] == pytest.approx(KNOWN["target_fixed_s"], rel=0.15)
+    assert t["target_per_token_s"] == pytest.approx(KNOWN["target_per_token_s"], rel=0.03)
+    # Mean drafter time over the run's takes, which is what decides its rate.
+    takes = list(read_records(run, "take"))
+    mean_true = np.mean([KNOWN["drafter_fixed_s"] + KNOWN["drafter_per_token_s"] * r["tokens"]
+                         + KNOWN["drafter_per_anchor_s"] * r["anchors"] for r in takes])
+    mean_fit = np.mean([t["drafter_fixed_s"] + t["drafter_per_token_s"] * r["tokens"]
+                        + t["drafter_per_anchor_s"] * r["anchors"] for r in takes])
+    assert mean_fit == pytest.approx(mean_true, rel=0.02)
+    assert fit["target"]["mape"] < 0.06 and fit["drafter"]["mape"] < 0.06  # the noise was 5% CV
+    assert 0.03 < fit["target"]["cv"] < 0.07
+    assert not fit["burst"]["detected"]
+    assert t["target_noise"] == "empirical" and np.mean(t["target_samples"]) == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_calibrated_simulation_reproduces_the_run_it_was_fitted_to(sim_run, tmp_path: Path) -> None:
+    cfg, run = sim_run
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(calibrate([run], DflashConfig())))
+    measured = simulate(cfg, make_sampler(cfg.workload, seed=0), sim_seconds=1500).metrics
+    calibrated = apply_calibration(with_overrides(cfg, {"timing.target_per_token_s": 1e-4,
+                                                        "timing.drafter_fixed_s": 1.0}), path)
+    predicted = np.mean([simulate(with_overrides(calibrated, {"seed": s}), make_sampler(cfg.workload, seed=0),
+                                  sim_seconds=1500).metrics["throughput_tokens_per_s"] for s in range(3)])
+    assert predicted == pytest.approx(measured["throughput_tokens_per_s"], rel=0.03)
+
+
+def test_burstiness_is_found_when_the_supply_has_it(tmp_path: Path) -> None:
+    cfg = with_overrides(known_config(noise="deterministic"), {"timing.burst_amplitude": 0.3,
+                                                               "timing.burst_period_s": 120.0})
+    simulate(cfg, make_sampler(cfg.workload, seed=0), sim_seconds=1500, records_dir=tmp_path / "run")
+    burst = calibrate([tmp_path / "run"], DflashConfig())["fit"]["burst"]
+    assert burst["detected"]
+    assert burst["period_s"] == pytest.approx(120.0, rel=0.1)
+    assert burst["amplitude"] == pytest.approx(0.3, rel=0.25)
+
+
+def test_a_timing_log_from_another_trainer_calibrates_like_our_records(sim_run, tmp_path: Path) -> None:
+    _, run = sim_run
+    rows = [{"role": "target", "worker": r["worker"], "start": r["t_start"], "end": r["t_end"],
+             "tokens": r["real_tokens"], "bucket": r["bucket"], "n_seqs": r["n_seqs"],
+             "padded_len": r["padded_len"]} for r in read_records(run, "produce")]
+    rows += [{"role": "drafter", "worker": r["drafter"], "start": r["t"], "end": r["t"] + r["compute_s"],
+              "tokens": r["tokens"], "bucket": r["bucket"], "anchors": r["anchors"]} for r in read_records(run, "take")]
+    import pandas as pd
+
+    for suffix in ("csv", "parquet"):
+        path = tmp_path / f"log.{suffix}"
+        df = pd.DataFrame(rows)
+        df.to_csv(path, index=False) if suffix == "csv" else df.to_parquet(path)
+        from_log = calibrate([path], DflashConfig())["timing"]
+        from_run = calibrate([run], DflashConfig())["timing"]
+        for key in ("target_per_token_s", "drafter_per_anchor_s"):
+            assert from_log[key] == pytest.approx(from_run[key], rel=0.02), key
+
+
+@pytest.mark.parametrize("content, allowed", [
+    ("role,start,end\ntarget,0,1\n", "needs columns"),
+    ("role,start,end,tokens,bucket\nteacher,0,1,5,0\n", "'role' must be"),
+    ("role,start,end,tokens,bucket\ntarget,2,1,5,0\n", "end >= start"),
+])
+def test_a_bad_timing_log_is_one_line_naming_run(tmp_path: Path, capsys, content: str, allowed: str) -> None:
+    log = tmp_path / "log.csv"
+    log.write_text(content)
+    assert main(["calibrate", "--run", str(log), "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--run" in err and allowed in err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_runs_too_short_to_fit_are_refused_with_one_line(tmp_path: Path, capsys) -> None:
+    cfg = known_config()
+    simulate(cfg, make_sampler(cfg.workload, seed=0), sim_seconds=12, records_dir=tmp_path / "short")
+    assert main(["calibrate", "--run", str(tmp_path / "short"), "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "too short to fit" in err and "need >= 20" in err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_calibrate_cli_writes_a_file_simulate_and_sweep_accept(sim_run, tmp_path: Path, capsys) -> None:
+    _, run = sim_run
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--run", str(run), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "MAPE" in said and str(out) in said
+    assert main(["simulate", "--calibration", str(out), "--sim-seconds", "60", "--json", str(tmp_path / "m.json"),
+                 "--config", str(_toml(tmp_path, known_config()))]) == 0
+
+
+def _toml(tmp_path: Path, cfg: DflashConfig) -> Path:
+    w = cfg.workload
+    p = tmp_path / "cfg.toml"
+    p.write_text(f"""[workload]
+lengths = "lognormal"
+length_median = {w.length_median}
+n_sequences = {w.n_sequences}
+max_len = {w.max_len}
+bucket_bounds = {list(w.bucket_bounds)}
+seqs_per_item = 1
+[cluster]
+n_target = 1
+n_drafter = 1
+""")
+    return p
+
+
+# --------------------------------------------------------------------------- the loss model
+def synthetic_steps(order: list[int], beta: list[float], sd: list[float], seed: int = 0) -> list[StepMakeup]:
+    """Losses from the model itself: a decaying trend x bucket factor x lognormal noise."""
+    rng = random.Random(seed)
+    out = []
+    for step, b in enumerate(order):
+        trend = 2.0 + 3.0 / math.sqrt(step + 1)
+        loss = trend * math.exp(beta[b] + rng.gauss(0.0, sd[b]))
+        tokens = [0.0] * len(beta)
+        tokens[b] = 100.0
+        out.append(StepMakeup(step, loss, tuple(tokens)))
+    return out
+
+
+BETA = [-0.3, -0.1, 0.0, 0.1, 0.2]
+SD = [0.05, 0.04, 0.03, 0.03, 0.02]
+MIX = [0.1, 0.15, 0.2, 0.25, 0.3]
+
+
+def test_the_loss_model_recovers_bucket_levels_and_spreads() -> None:
+    rng = random.Random(1)
+    order = rng.choices(range(5), weights=MIX, k=1200)
+    fit = fit_loss_model(synthetic_steps(order, BETA, SD), MIX)
+    assert fit is not None and fit.r2 > 0.8
+    beta = np.asarray(fit.model.bucket_log_mean)
+    true = np.asarray(BETA) - np.dot(MIX, BETA)  # centred on the mix
+    assert np.allclose(beta, true, atol=0.02)
+    assert np.allclose(fit.model.bucket_log_sd, SD, rtol=0.25)
+    assert abs(fit.model.autocorr) < 0.1
+
+
+def test_predicted_roughness_matches_measured_for_a_take_order_it_was_not_fitted_on() -> None:
+    rng = random.Random(2)
+    shuffled = rng.choices(range(5), weights=MIX, k=800)
+    streaky = [b for b in rng.choices(range(5), weights=MIX, k=80) for _ in range(10)]
+    fit = fit_loss_model(synthetic_steps(shuffled, BETA, SD, seed=3), MIX)
+    assert fit is not None
+    from dflash.runmetrics import loss_roughness
+
+    for order in (shuffled, streaky):
+        truth = np.mean([loss_roughness([s.loss for s in synthetic_steps(order, BETA, SD, seed=k)],
+                                        first_step=len(order) // 2)["loss_roughness"] for k in range(10, 20)])
+        predicted = predict_loss_roughness(synthetic_steps(order, BETA, SD), fit.model)["loss_roughness"]
+        assert predicted == pytest.approx(truth, rel=0.1)
+    # Streaks of one bucket switch levels rarely: a smoother loss, and the model knows it.
+    rough = {name: predict_loss_roughness(synthetic_steps(o, BETA, SD), fit.model)["loss_roughness"]
+             for name, o in (("shuffled", shuffled), ("streaky", streaky))}
+    assert rough["streaky"] < 0.7 * rough["shuffled"]
+
+
+def test_a_calibrated_simulator_reports_predicted_loss_roughness(sim_run) -> None:
+    cfg, _ = sim_run
+    model = LossModelConfig(bucket_log_mean=tuple(BETA), bucket_log_sd=tuple(SD), trend_coef=(0.0, 1.0),
+                            trend_last_step=100)
+    plain = simulate(cfg, make_sampler(cfg.workload, seed=0), sim_seconds=300).metrics
+    assert plain["loss_roughness"] is None
+    calibrated = with_overrides(cfg, {f"loss_model.{k}": v for k, v in model.__dict__.items()})
+    m = simulate(calibrated, make_sampler(cfg.workload, seed=0), sim_seconds=300).metrics
+    assert m["loss_roughness"] > 0 and m["loss_roughness_steps"][0] > 0
+
+
+@pytest.mark.parametrize("table, key", [
+    ({"bucket_log_mean": [0.0, 0.1], "bucket_log_sd": [0.1], "trend_coef": [1.0]}, "loss_model.bucket_log_sd"),
+    ({"bucket_log_mean": [0.0], "bucket_log_sd": [-0.1], "trend_coef": [1.0]}, "loss_model.bucket_log_sd"),
+    ({"bucket_log_mean": [0.0], "bucket_log_sd": [0.1]}, "loss_model.trend_coef"),
+    ({"autocorr": 1.5}, "loss_model.autocorr"),
+])
+def test_a_bad_loss_model_table_names_its_key(table: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        with_overrides(DflashConfig(), {f"loss_model.{k}": v for k, v in table.items()})
+    assert err.value.key == key
