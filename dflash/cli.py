@@ -492,6 +492,36 @@ def _calibrate(args: argparse.Namespace, cfg: DflashConfig) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """The selection on the real trainer, compared with the calibrated simulator (tuning/validate.py)."""
+    from tuning.validate import (
+        ValidateArgs,
+        claims_url_for,
+        format_validation,
+        progress_printer,
+        read_selection,
+        run_validation,
+        selection_from_study,
+    )
+
+    out = Path(args.out) if args.out else Path("validation")
+    if args.selection:
+        selection, sel_path = read_selection(args.selection), str(args.selection)
+    else:
+        storage = args.storage or "dflash-study.journal"
+        selection, sel_path = selection_from_study(args.study, storage, cfg), f"study {args.study} in {storage}"
+    takes = int(args.takes) if args.takes is not None else 300
+    vargs = ValidateArgs(selection=selection, selection_path=sel_path, takes=takes, out=out,
+                         calibration=args.calibration, claims_url=claims_url_for(args.storage, out),
+                         prompts=cfg.train.eval_prompts)
+    payload = run_validation(cfg, vargs, progress=progress_printer)
+    if payload is None:
+        return 0
+    print(format_validation(payload))
+    print(f"validation: {out / 'validation.json'}")
+    return 0
+
+
 def _regenerate(args: argparse.Namespace, cfg: DflashConfig) -> int:
     """Target-regenerated replies for the configured data set (dflash/regenerate.py)."""
     from dflash.regenerate import handle
@@ -514,7 +544,7 @@ HANDLERS: dict[str, Handler] = {
     "tune-live": _tune_live,
     "eval": _eval,
     "calibrate": _calibrate,
-    "validate": NotBuilt(7),
+    "validate": _validate,
     "report": _report,
     "regenerate": _regenerate,
     "lengths": _lengths,
@@ -637,8 +667,10 @@ def validate(verb_name: str, args: argparse.Namespace) -> DflashConfig:
     if verb_name == "validate" and (args.selection is None) == (args.study is None):
         raise ConfigError("--selection/--study", "give exactly one of --selection FILE or --study NAME",
                           show_got=False)
-    if verb_name == "validate" and args.storage is not None and args.study is None:
-        raise ConfigError("--storage", "only with --study", args.storage)
+    if verb_name == "validate" and args.storage is not None and args.study is None and \
+            args.storage.split("://", 1)[0].split("+")[0] not in ("sqlite", "postgresql", "mysql"):
+        raise ConfigError("--storage", "with --selection: an SQL URL (sqlite:///PATH or postgresql://...) shared "
+                                       "by validation workers", args.storage)
     if verb_name == "train" and getattr(args, "resume", None):
         base = load_run_config(Path(args.resume))  # a resumed run keeps its own config; flags still apply
     elif verb_name == "tune-live":
@@ -654,7 +686,7 @@ def _default_config_file(verb_name: str, overrides: dict[str, Any]) -> Path | No
     """`dflash train` with no --config on the CPU runs the packaged CPU profile (the built-in defaults
     are the published GPU sizes: 5 draft layers, blocks of 16, 512 anchors, 2048 tokens)."""
     devices = (*overrides.get("target.devices", ("cpu",)), *overrides.get("drafter.devices", ("cpu",)))
-    if verb_name == "train" and all(d == "cpu" for d in devices):
+    if verb_name in ("train", "validate") and all(d == "cpu" for d in devices):
         return Path(__file__).with_name("profiles") / "cpu-smollm2.toml"
     return None
 

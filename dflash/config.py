@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -486,6 +487,47 @@ class DflashConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML form for {type(v).__name__}")
+
+
+def config_to_toml(cfg: DflashConfig) -> str:
+    """The config as a TOML file :func:`load_config` reads back to an equal config.
+
+    Unset optional keys (None) are left out, since TOML has no null and absence means the default;
+    nested tables (``[sweep.space]``) become sub-tables.
+    """
+    data = cfg.to_dict()
+    lines = [f"seed = {data.pop('seed')}"]
+    for section, table in data.items():
+        lines.append(f"\n[{section}]")
+        subtables = []
+        for key, value in table.items():
+            if value is None:
+                continue
+            if isinstance(value, dict):
+                subtables.append((key, value))
+                continue
+            lines.append(f"{key} = {_toml_value(value)}")
+        for key, sub in subtables:
+            lines.append(f"\n[{section}.{key}]")
+            for k, v in sub.items():
+                if isinstance(v, dict):
+                    lines.append(f"{json.dumps(k)} = {{ " + ", ".join(
+                        f"{json.dumps(a)} = {_toml_value(b)}" for a, b in v.items() if b is not None) + " }")
+                elif v is not None:
+                    lines.append(f"{json.dumps(k)} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------- loading

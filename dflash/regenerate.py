@@ -72,7 +72,6 @@ import json
 import math
 import os
 import random
-import socket
 import sys
 import tempfile
 import threading
@@ -181,10 +180,10 @@ def validate_options(args: argparse.Namespace, cfg: DflashConfig) -> Options:
 
     given = {name: getattr(args, name, None) for name, _ in (*_SERVER_ONLY, *_LOCAL_ONLY)}
     wrong = _SERVER_ONLY if backend == "transformers" else _LOCAL_ONLY
+    other = "server" if backend == "transformers" else "transformers"
     for name, flag in wrong:
         if given[name] is not None:
-            raise ConfigError(flag, f"only applies to --backend {'server' if backend == 'transformers' else 'transformers'}",
-                              given[name])
+            raise ConfigError(flag, f"only applies to --backend {other}", given[name])
 
     limit = getattr(args, "limit", None)
     if limit is not None:
@@ -553,7 +552,7 @@ class Progress:
 
 
 def _fmt_s(s: float) -> str:
-    s = int(round(s))
+    s = round(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
@@ -659,7 +658,7 @@ class TransformersBackend:
         for memory, say) fails alone instead of taking its batch with it."""
         try:
             return list(self.generate(prompts))
-        except Exception as exc:  # noqa: BLE001 (any failure of generate is a failed prompt, not a crash)
+        except Exception as exc:  # (any failure of generate is a failed prompt, not a crash)
             if len(prompts) == 1:
                 return [Failure("", _err(exc))]
             first = exc
@@ -668,7 +667,7 @@ class TransformersBackend:
         for p in prompts:
             try:
                 out.append(self.generate([p])[0])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # the batch error is kept in the message
                 out.append(Failure("", f"{_err(exc)} (batch: {_err(first)})", attempts=2))
         return out
 
@@ -782,11 +781,11 @@ class ServerClient:
                 wait_s = float(retry_after) if retry_after and retry_after.strip().isdigit() else None
                 raise _Retryable(f"HTTP {exc.code}: {detail}", wait_s) from None
             raise RequestFailed(f"HTTP {exc.code}: {detail}", 1) from None
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise _Retryable(f"timed out after {self.timeout:g} s") from None
         except urllib.error.URLError as exc:
             reason = exc.reason
-            if isinstance(reason, (TimeoutError, socket.timeout)):
+            if isinstance(reason, TimeoutError):
                 raise _Retryable(f"timed out after {self.timeout:g} s") from None
             raise _Retryable(f"cannot connect: {reason}") from None
         except (HTTPException, ConnectionError, OSError) as exc:
@@ -850,7 +849,7 @@ class ServerClient:
 def _http_detail(exc: urllib.error.HTTPError) -> str:
     try:
         text = exc.read().decode("utf-8", "replace")
-    except Exception:  # noqa: BLE001 (the body is only decoration for the error line)
+    except Exception:  # (the body is only decoration for the error line)
         text = ""
     return " ".join((text or str(exc.reason)).split())[:300]
 
@@ -888,7 +887,7 @@ def run_server(jobs: Iterable[Job], client: ServerClient, concurrency: int,
                     records.append(fut.result().record())
                 except RequestFailed as exc:
                     failures.append(Failure(job.source.id, str(exc), exc.attempts))
-                except Exception as exc:  # noqa: BLE001 (a bug in one reply must not lose the others)
+                except Exception as exc:  # (a bug in one reply must not lose the others)
                     failures.append(Failure(job.source.id, _err(exc)))
             emit(records, failures)
             progress.finished(records=len(records), failed=len(failures))

@@ -50,8 +50,10 @@ class SimResult:
 
 
 def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_items: int | None = None,
-             records_dir: str | Path | None = None, run_id: str | None = None) -> SimResult:
-    """Run the pipeline for ``sim_seconds`` simulated seconds (or until ``max_items`` are drained)."""
+             max_steps: int | None = None, records_dir: str | Path | None = None, run_id: str | None = None
+             ) -> SimResult:
+    """Run the pipeline for ``sim_seconds`` simulated seconds (or until ``max_items`` are drained, or
+    ``max_steps`` drafter steps are done: the trainer's ``--max-steps`` stop, for like-for-like budgets)."""
     wall0 = time.perf_counter()
     env = simpy.Environment()
     q = cfg.queue
@@ -115,6 +117,15 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
 
     step_no = [0]
     trained = [0]
+    budget_done = env.event()
+
+    def budget_spent() -> bool:
+        """True (and the run stops) once ``max_steps`` steps are done."""
+        if max_steps is not None and step_no[0] >= max_steps:
+            if not budget_done.triggered:
+                budget_done.succeed()
+            return True
+        return False
     waiting: dict[int, float] = {}  # drafter -> since when it waits for its take
 
     def synchronised_drafters() -> Any:
@@ -138,6 +149,8 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
             for d in list(held):
                 trained[0] += len(held.pop(d))
             step_no[0] += 1
+            if budget_spent():
+                return
 
     def independent_drafter(d: int) -> Any:
         while True:
@@ -150,6 +163,8 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
             held[d] = items
             yield queue.compute(request.compute_s)
             trained[0] += len(held.pop(d))
+            if budget_spent():
+                return
 
     for w in range(n_target):
         env.process(producer(w))
@@ -158,7 +173,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     else:
         for d in range(n_drafter):
             env.process(independent_drafter(d))
-    env.run(until=sim_seconds)
+    env.run(until=env.any_of([budget_done, env.timeout(sim_seconds)]) if max_steps is not None else sim_seconds)
     close_t = min(env.now, sim_seconds)
 
     # Stop: queued items and items held at the cap are discarded; steps in progress complete.

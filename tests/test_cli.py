@@ -29,6 +29,7 @@ BASE = {
     "calibrate": ["--run", "run"],
     "validate": ["--selection", "sel.json"],
     "report": ["run"],
+    "regenerate": ["--out", "data.jsonl"],
     "lengths": [],
     "demo": [],
 }
@@ -127,7 +128,7 @@ MISSING_CASES = [
     ("eval", [], ["--drafter"]),
     ("calibrate", [], ["--run"]),
     ("validate", [], ["--selection", "--study"]),
-    ("validate", ["--selection", "sel.json", "--storage", "sqlite:///x.db"], ["--storage"]),
+    ("validate", ["--selection", "sel.json", "--storage", "bogus://x"], ["--storage"]),
     ("validate", ["--selection", "missing.json"], ["--selection"]),
     ("report", [], ["INPUT"]),
 ]
