@@ -1,0 +1,112 @@
+"""Simulator fidelity on the CPU with SmolLM2 (issue #7): calibrate, then predict configs not run.
+
+For each CPU profile (target-bound ``cpu-smollm2`` and the drafter-bound variant): one real run with
+the profile's own knobs calibrates the simulator; then ``dflash validate`` runs two *other*
+configurations (other knobs, two policies) for ``--takes`` takes each on the real trainer and
+compares them with the calibrated prediction for the same budget. Prints the table for
+benchmarks/RESULTS.md. Every stage is skipped when its output exists, so a killed run resumes.
+
+    python benchmarks/fidelity.py --out fidelity --takes 300 --cal-steps 300   # ~1 h on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = {
+    "target-bound": (ROOT / "examples" / "cpu-smollm2.toml",
+                     [{"name": "tb-fullest-10-30", "queue": {"min_ready": 10, "max_depth": 30, "policy": "fullest"}},
+                      {"name": "tb-prop-5-60", "queue": {"min_ready": 5, "max_depth": 60,
+                                                         "policy": "proportional"}}]),
+    "drafter-bound": (ROOT / "examples" / "cpu-smollm2-drafter-bound.toml",
+                      [{"name": "db-random-10-30", "queue": {"min_ready": 10, "max_depth": 30,
+                                                             "policy": "random_item"}},
+                       {"name": "db-fullest-20-60", "queue": {"min_ready": 20, "max_depth": 60,
+                                                              "policy": "fullest"}}]),
+}
+
+
+def sh(cmd: list[str], log: Path) -> None:
+    t0 = time.perf_counter()
+    print("$ " + " ".join(cmd), flush=True)
+    with log.open("a") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    print(f"  ({time.perf_counter() - t0:.0f} s, rc {rc}; log {log})", flush=True)
+    if rc != 0:
+        sys.exit(f"failed: {' '.join(cmd)}")
+
+
+def run_profile(name: str, out: Path, takes: int, cal_steps: int) -> dict:
+    profile, configs = PROFILES[name]
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    log = d / "log.txt"
+    cal_run, cal = d / "cal-run", d / "calibration.json"
+    if not (cal_run / "metrics.json").exists():
+        if cal_run.exists():
+            import shutil
+
+            shutil.rmtree(cal_run)
+        sh(["dflash", "train", "--config", str(profile), "--max-steps", str(cal_steps), "--out", str(cal_run),
+            "--wandb", "disabled"], log)
+    if not cal.exists():
+        sh(["dflash", "calibrate", "--run", str(cal_run), "--out", str(cal)], log)
+    sel = d / "selection.json"
+    sel.write_text(json.dumps({"configs": configs}))
+    val = d / "validation"
+    if not (val / "validation.json").exists():
+        sh(["dflash", "validate", "--config", str(profile), "--selection", str(sel), "--calibration", str(cal),
+            "--takes", str(takes), "--out", str(val)], log)
+    return json.loads((val / "validation.json").read_text())
+
+
+def table(results: dict[str, dict]) -> str:
+    rows = ["| profile | config | metric | predicted | measured | error | measurement SE | goal met |",
+            "|---|---|---|---|---|---|---|---|"]
+    for prof, payload in results.items():
+        for r in payload["configs"]:
+            for k, spec in (("throughput_tokens_per_s", ",.0f"), ("mix_efficiency", ".3f"),
+                            ("loss_roughness", ".3f")):
+                p = r["predicted"][k]["mean"]
+                m = r["measured"][k]
+                se = r["measured_se"].get(k)
+                err = r["rel_error"][k] if k != "mix_efficiency" else (None if p is None or m is None else p - m)
+                err_s = "n/a" if err is None else (f"{err:+.3f} abs" if k == "mix_efficiency" else f"{100 * err:+.1f}%")
+                rows.append(f"| {prof} | {r['name']} | {k} | {_f(p, spec)} | {_f(m, spec)} | {err_s} | "
+                            f"{_f(se, spec)} | {r['within_goal'].get(k)} |")
+    rows.append("")
+    rows.append("| profile | config | steps | tau | loss_roughness | mix_efficiency |")
+    rows.append("|---|---|---|---|---|---|")
+    for prof, payload in results.items():
+        for r in payload["configs"]:
+            m = r["measured"]
+            rows.append(f"| {prof} | {r['name']} | {r['steps']} | {_f(m.get('tau'), '.3f')} | "
+                        f"{_f(m['loss_roughness'], '.3f')} | {_f(m['mix_efficiency'], '.3f')} |")
+    return "\n".join(rows)
+
+
+def _f(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("fidelity"))
+    ap.add_argument("--takes", type=int, default=300)
+    ap.add_argument("--cal-steps", type=int, default=300)
+    ap.add_argument("--profiles", default="target-bound,drafter-bound")
+    a = ap.parse_args()
+    results = {p: run_profile(p, a.out, a.takes, a.cal_steps) for p in a.profiles.split(",")}
+    text = table(results)
+    (a.out / "fidelity.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
