@@ -1,0 +1,145 @@
+"""Validation: workers share one claim table (no config twice, none skipped, dead claims return),
+the validated best follows the knee rule on measured values, and the real thing end to end (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from dflash.cli import main
+from dflash.config import config_from_dict, load_config, with_overrides
+from tuning.claims import ClaimStore
+from tuning.validate import choose_best, within_goals
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = [f"cfg-{k}" for k in range(12)]
+
+WORKER = textwrap.dedent("""
+    import sys, time
+    from tuning.claims import ClaimStore
+    url, ns, tag = sys.argv[1], sys.argv[2], sys.argv[3]
+    store = ClaimStore(url, ns)
+    store.register({names!r})
+    while (name := store.claim(tag)) is not None:
+        time.sleep(0.05)  # "run" it
+        assert store.finish(name, tag, {{"ran_by": tag}})
+""").format(names=NAMES)
+
+
+def claim_urls(tmp_path: Path) -> list[str]:
+    urls = [f"sqlite:///{tmp_path / 'claims.db'}"]
+    if os.environ.get("DFLASH_TEST_POSTGRES_URL"):
+        urls.append(os.environ["DFLASH_TEST_POSTGRES_URL"])
+    return urls
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_two_worker_processes_run_every_config_exactly_once(tmp_path: Path, backend: str) -> None:
+    urls = {u.split(":")[0].split("+")[0]: u for u in claim_urls(tmp_path)}
+    if backend not in urls:
+        pytest.skip("no PostgreSQL server: set DFLASH_TEST_POSTGRES_URL (.ci/run starts one)")
+    ns = f"test-{backend}-{time.time_ns()}"
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, urls[backend], ns, f"w{k}"], cwd=ROOT)
+             for k in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    rows = ClaimStore(urls[backend], ns).rows()
+    assert [r["name"] for r in rows] == NAMES  # none skipped, none added
+    assert all(r["status"] == "done" and r["attempts"] == 1 for r in rows)  # none run twice
+    assert {r["result"]["ran_by"] for r in rows} == {"w0", "w1"}  # both took part
+    assert all(r["result"]["ran_by"] == r["worker"] for r in rows)
+
+
+def test_a_dead_workers_claim_returns_and_its_late_result_is_dropped(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    store = ClaimStore(url, "ns", stale_s=0.2)
+    store.register(["only"])
+    assert store.claim("dead") == "only"
+    assert store.claim("alive") is None  # still fresh: nobody else may take it
+    time.sleep(0.3)
+    assert store.claim("alive") == "only"
+    assert not store.finish("only", "dead", {"late": True})
+    assert store.finish("only", "alive", {"ok": True})
+    row = store.rows()[0]
+    assert row["attempts"] == 2 and row["result"] == {"ok": True} and row["worker"] == "alive"
+    assert store.claim("third") is None
+
+
+def _row(name: str, thr: float, mix: float | None) -> dict:
+    return {"name": name, "measured": {"throughput_tokens_per_s": thr, "mix_efficiency": mix}}
+
+
+@pytest.mark.parametrize("rows, best", [
+    ([_row("fast", 100, 0.80), _row("mixed", 80, 1.00), _row("knee", 97, 0.97)], "knee"),
+    ([_row("a", 100, 0.9), _row("b", 100, 0.9)], "a"),  # ties by name
+    ([_row("slow", 50, None), _row("quick", 60, None)], "quick"),  # too short for a mix: throughput alone
+])
+def test_the_validated_best_is_the_knee_of_measured_values(rows: list, best: str) -> None:
+    assert choose_best(rows)["name"] == best
+
+
+@pytest.mark.parametrize("pred, meas, se, ok", [
+    ({"throughput_tokens_per_s": 104, "mix_efficiency": 0.95, "loss_roughness": 0.11},
+     {"throughput_tokens_per_s": 100, "mix_efficiency": 0.93, "loss_roughness": 0.10}, 0.01,
+     {"throughput_tokens_per_s": True, "mix_efficiency": True, "loss_roughness": True}),
+    ({"throughput_tokens_per_s": 106, "mix_efficiency": 0.85, "loss_roughness": 0.13},
+     {"throughput_tokens_per_s": 100, "mix_efficiency": 0.93, "loss_roughness": 0.10}, 0.01,
+     {"throughput_tokens_per_s": False, "mix_efficiency": False, "loss_roughness": False}),
+    ({"throughput_tokens_per_s": 100, "mix_efficiency": 0.85, "loss_roughness": 0.10},
+     {"throughput_tokens_per_s": 100, "mix_efficiency": 0.93, "loss_roughness": 0.10}, 0.05,
+     {"throughput_tokens_per_s": True, "mix_efficiency": True, "loss_roughness": True}),  # 2 SE = 0.1
+])
+def test_goals_follow_the_issue(pred: dict, meas: dict, se: float, ok: dict) -> None:
+    predicted = {k: {"mean": v} for k, v in pred.items()}
+    assert within_goals(meas, {"mix_efficiency": se}, predicted) == ok
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--selection", "sel.json"], ["--selection", "configs"]),
+    (["--selection", "good.json", "--takes", "0"], ["--takes"]),
+    (["--selection", "good.json", "--storage", "redis://x"], ["--storage"]),
+    (["--selection", "good.json", "--calibration", "nope.json"], ["--calibration"]),
+])
+def test_bad_validate_input_is_one_line(tmp_path: Path, monkeypatch, capsys, argv: list, names: list) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sel.json").write_text('{"configs": []}')
+    (tmp_path / "good.json").write_text('{"configs": [{"name": "a", "queue": {"min_ready": 2}}]}')
+    assert main(["validate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(n in err for n in names), err
+    assert not (tmp_path / "validation").exists()
+
+
+@pytest.mark.slow
+def test_validate_runs_the_selection_on_the_real_trainer_and_writes_best_toml(tmp_path: Path, capsys) -> None:
+    """SmolLM2 on the CPU, two tiny configs, 12 takes each: every field the report reads is there."""
+    profile = ROOT / "examples" / "cpu-smollm2.toml"
+    sel = tmp_path / "sel.json"
+    sel.write_text(json.dumps({"configs": [
+        {"name": "a", "queue": {"min_ready": 4, "max_depth": 12, "policy": "random_item"}},
+        {"name": "b", "queue": {"min_ready": 2, "max_depth": 8, "policy": "fullest"}}]}))
+    out = tmp_path / "val"
+    argv = ["validate", "--config", str(profile), "--selection", str(sel), "--takes", "12", "--out", str(out)]
+    assert main(argv) == 0
+    payload = json.loads((out / "validation.json").read_text())
+    assert [r["name"] for r in payload["configs"]] == ["a", "b"]
+    for r in payload["configs"]:
+        assert r["steps"] == 12 and r["measured"]["tau"] >= 1.0
+        assert r["predicted"]["throughput_tokens_per_s"]["mean"] > 0
+        assert (out / r["run_dir"] / "take.jsonl").is_file() and (out / r["sim_dir"] / "take.jsonl").is_file()
+    best = load_config(out / "best.toml")
+    chosen = next(r for r in payload["configs"] if r["name"] == payload["chosen"])
+    assert best == with_overrides(load_config(profile), {f"queue.{k}": v for k, v in chosen["queue"].items()})
+    assert f"dflash train --config {out / 'best.toml'}" in capsys.readouterr().out
+    # The same job again: every config is done, nothing runs twice, the summary is the same.
+    mtimes = {p: p.stat().st_mtime for p in (out / "runs").rglob("metrics.json")}
+    assert main(argv) == 0
+    assert {p: p.stat().st_mtime for p in (out / "runs").rglob("metrics.json")} == mtimes
+    assert config_from_dict(tomllib.loads((out / "best.toml").read_text())) == best
