@@ -197,6 +197,8 @@ VERBS: dict[str, Verb] = {
     "lengths": Verb("tokenise the configured data set; print the cached length table and bucket shares"),
     "demo": Verb("the main job, end to end", opts=(
         Opt("--out", "outdir", "output directory (default: dflash-demo)", metavar="DIR"),
+        Opt("--takes", "int", "takes per validated config (>= 1; default 100)", lo=1, metavar="N"),
+        Opt("--cal-steps", "int", "steps of the calibration run (>= 30; default 120)", lo=30, metavar="N"),
     )),
 }
 
@@ -303,21 +305,66 @@ def _format_metrics(m: dict[str, Any]) -> str:
     ])
 
 
-DEMO_STAGES = ("simulate", "sweep", "train", "eval", "calibrate", "validate", "report")
+DEMO_STEPS = 7
 
 
 def _demo(args: argparse.Namespace, cfg: DflashConfig) -> int:
-    """The main job: every stage that exists, in order; stages not built yet are named, not faked."""
-    print("== 1. token lengths of the data set ==")
+    """The main job, in the issue's order: lengths, a real calibration run, simulate the named configs,
+    sweep with the calibration, validate the chosen config next to baseline and handpicked, report."""
+    out = Path(args.out) if args.out else Path("dflash-demo")
+    takes = int(args.takes) if args.takes is not None else 100
+    cal_steps = int(args.cal_steps) if args.cal_steps is not None else 120
+    t0 = time.perf_counter()
+
+    def stage(k: int, title: str) -> None:
+        print(f"\n== {k}/{DEMO_STEPS} {title} ({time.perf_counter() - t0:.0f} s so far) ==", flush=True)
+
+    stage(1, "token lengths of the data set")
     _lengths(args, cfg)
-    print("\n== 2. simulate the named reference configs (one simulated hour each) ==")
-    _demo_simulate(cfg)
-    print("\n== 3. sweep the queue knobs over the simulator (Optuna, NSGA-II) ==")
-    _demo_sweep(args, cfg)
-    missing = [f"{verb} (issue #{h.issue})" for verb in DEMO_STAGES
-               if isinstance(h := HANDLERS[verb], NotBuilt)]
-    if missing:
-        print(f"stages not built yet, skipped: {', '.join(missing)}")
+    stage(2, f"a short real CPU run to calibrate ({cal_steps} steps, {cfg.queue.min_ready}/{cfg.queue.max_depth} "
+             f"{cfg.queue.policy})")
+    cal_run = out / "calibration-run"
+    if not (cal_run / "metrics.json").is_file():
+        if cal_run.exists():
+            import shutil
+
+            shutil.rmtree(cal_run)
+        from dflash.trainer import Trainer
+
+        Trainer(with_overrides(cfg, {"train.max_steps": cal_steps}), cal_run, wandb_mode="disabled").run()
+    stage(3, "calibrate the simulator")
+    from simulator.calibration import apply_calibration, calibrate, format_calibration, write_calibration
+
+    cal_path = out / "calibration.json"
+    data = calibrate([cal_run], cfg, seed=cfg.seed)
+    write_calibration(data, cal_path)
+    print(format_calibration(data))
+    calibrated = apply_calibration(cfg, cal_path)
+    stage(4, "simulate baseline and handpicked with the calibration (one simulated hour each)")
+    _demo_simulate(calibrated)
+    stage(5, "sweep the queue knobs over the calibrated simulator (Optuna, NSGA-II)")
+    selection = _demo_sweep(out, calibrated, str(cal_path))
+    stage(6, f"validate the chosen config, baseline and handpicked on the real trainer ({takes} takes each)")
+    import json
+
+    from tuning.validate import ValidateArgs, claims_url_for, format_validation, progress_printer, run_validation
+
+    sel = json.loads(Path(selection).read_text())
+    keep = [c for c in sel["configs"] if c["name"] in ("tuned-1", "baseline", "handpicked")]
+    val_out = out / "validation"
+    vargs = ValidateArgs(selection={**sel, "configs": keep}, selection_path=str(selection), takes=takes,
+                         out=val_out, calibration=str(cal_path), claims_url=claims_url_for(None, val_out),
+                         prompts=cfg.train.eval_prompts)
+    payload = run_validation(cfg, vargs, progress=progress_printer)
+    if payload is not None:
+        print(format_validation(payload))
+    stage(7, "write the report")
+    from reports.build import build_report
+
+    html, md = build_report([out], out / "report", cfg)
+    print(f"\ndone in {time.perf_counter() - t0:.0f} s.\nreport: {html}\n(markdown twin: {md})")
+    if payload is not None and payload.get("command"):
+        print(f"launch the validated training run:\n  {payload['command']}")
     return 0
 
 
@@ -333,17 +380,17 @@ def _sweep(args: argparse.Namespace, cfg: DflashConfig) -> int:
     return 0
 
 
-def _demo_sweep(args: argparse.Namespace, cfg: DflashConfig) -> None:
+def _demo_sweep(out: Path, cfg: DflashConfig, calibration: str | None) -> Path:
     from tuning.sweep import SweepArgs, format_result, run_sweep
 
-    out = Path(args.out) if getattr(args, "out", None) else Path("dflash-demo")
     # A short study: at most 40 trials x 2 seeds x 30 simulated minutes (less if the config asks for less).
     cfg = with_overrides(cfg, {"sweep.seeds_per_trial": min(cfg.sweep.seeds_per_trial, 2),
                                "sweep.sim_seconds": min(cfg.sweep.sim_seconds, 1800.0)})
-    sargs = SweepArgs(trials=min(cfg.sweep.trials, 40), storage=str(out / "study.journal"), study="demo",
-                      workers=1, grid=False, out=out, calibration=None)
+    sargs = SweepArgs(trials=min(cfg.sweep.trials, 40), storage=str(out / "sweep" / "study.journal"), study="demo",
+                      workers=1, grid=False, out=out / "sweep", calibration=calibration)
     res = run_sweep(cfg, sargs, progress=sys.stderr.isatty())
     print(format_result(res, False, cfg))
+    return Path(res["selection"])
 
 
 def _train(args: argparse.Namespace, cfg: DflashConfig) -> int:
@@ -475,7 +522,9 @@ def _demo_simulate(cfg: DflashConfig) -> None:
               f"{m.get('length_autocorr', float('nan')):>10.3f}"
               f"{m.get('mean_queue_depth', float('nan')):>7.1f}"
               f"{m.get('peak_queue_bytes', 0) / 2**30:>10.1f}")
-    print("(default cluster: 4 target + 4 drafter H200 workers, 8B-class timing; see examples/)")
+    c = cfg.cluster
+    print(f"({c.n_target} target + {c.n_drafter} drafter workers on {', '.join(cfg.target.devices)}; timing "
+          f"{'from the calibration' if cfg.timing.target_noise == 'empirical' else 'as configured'})")
 
 
 def _calibrate(args: argparse.Namespace, cfg: DflashConfig) -> int:
@@ -686,7 +735,7 @@ def _default_config_file(verb_name: str, overrides: dict[str, Any]) -> Path | No
     """`dflash train` with no --config on the CPU runs the packaged CPU profile (the built-in defaults
     are the published GPU sizes: 5 draft layers, blocks of 16, 512 anchors, 2048 tokens)."""
     devices = (*overrides.get("target.devices", ("cpu",)), *overrides.get("drafter.devices", ("cpu",)))
-    if verb_name in ("train", "validate") and all(d == "cpu" for d in devices):
+    if verb_name in ("train", "validate", "demo") and all(d == "cpu" for d in devices):
         return Path(__file__).with_name("profiles") / "cpu-smollm2.toml"
     return None
 

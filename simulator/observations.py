@@ -149,7 +149,7 @@ def _from_log(p: Path, index: int) -> RunData:
 
     try:
         df = pd.read_parquet(p) if p.suffix.lower() in (".parquet", ".pq") else pd.read_csv(p)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+    except Exception as exc:
         raise ConfigError("--run", f"must be a readable CSV/Parquet timing log ({type(exc).__name__})",
                           str(p)) from None
     missing = [c for c in LOG_REQUIRED if c not in df.columns]
@@ -165,7 +165,9 @@ def _from_log(p: Path, index: int) -> RunData:
         raise ConfigError("--run", f"timing log rows need end >= start, tokens >= 1, bucket >= 0 (first bad row "
                                    f"{int(bad.index[0])})", str(p))
     obs = Observations()
-    get = (lambda row, col, default: row[col] if col in df.columns and not _isnan(row[col]) else default)
+    def get(row: dict[str, Any], col: str, default: Any) -> Any:
+        return row[col] if col in df.columns and not _isnan(row[col]) else default
+
     takes, losses = [], {}
     for k, row in enumerate(df.to_dict("records")):
         n_seqs = int(get(row, "n_seqs", 1))

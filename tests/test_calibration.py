@@ -46,7 +46,7 @@ def sim_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[DflashConfig, Pat
 
 
 def test_calibration_recovers_the_time_terms_that_generated_the_records(sim_run) -> None:
-    cfg, run = sim_run
+    _, run = sim_run
     data = calibrate([run], DflashConfig())
     t, fit = data["timing"], data["fit"]
     assert t["target_fixed_s"] == pytest.approx(KNOWN["target_fixed_s"], rel=0.15)

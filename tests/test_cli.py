@@ -270,14 +270,19 @@ def test_lengths_tokenises_a_real_dataset_and_prints_bucket_shares(tiny_dataset,
     assert f"item mix p (2 seqs per item, {n_items} items per epoch)" in out
 
 
-def test_demo_runs_what_exists_and_names_unbuilt_stages(tiny_dataset, capsys):
-    assert main(["demo", "--config", str(tiny_dataset), "--out", str(tiny_dataset.parent / "demo")]) == 0
-    out, _ = capsys.readouterr()
-    assert "8 sequences" in out
-    assert "baseline 10/30" in out and "handpicked 30/90" in out
-    for verb in ("simulate", "sweep", "train", "eval", "calibrate", "validate", "report"):
-        if isinstance(HANDLERS[verb], NotBuilt):
-            assert f"{verb} (issue #{HANDLERS[verb].issue})" in out
+@pytest.mark.slow
+def test_demo_runs_the_whole_story_on_the_cpu_profile(tmp_path, capsys):
+    """The main job with small budgets: a real calibration run, sweep, three real validations, report."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--takes", "6", "--cal-steps", "30"]) == 0
+    said, _ = capsys.readouterr()
+    for k in range(1, 8):
+        assert f"== {k}/7 " in said
+    assert "baseline 10/30" in said and "handpicked 30/90" in said
+    payload = json.loads((out / "validation" / "validation.json").read_text())
+    assert sorted(r["name"] for r in payload["configs"]) == ["baseline", "handpicked", "tuned-1"]
+    assert (out / "report" / "report.html").is_file() and (out / "report" / "report.md").is_file()
+    assert f"dflash train --config {out / 'validation' / 'best.toml'}" in said
 
 
 def test_version_and_help(capsys):

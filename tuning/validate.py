@@ -16,6 +16,7 @@ a prediction error smaller than the measurement's own noise is not an error we c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -242,7 +243,7 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
             try:
                 row = run_config(entries[name], base, calibrated, args, progress)
                 status = "done"
-            except Exception as exc:  # noqa: BLE001 - recorded, the other configs still run
+            except Exception as exc:
                 row, status = {"name": name, "error": f"{type(exc).__name__}: {exc}"}, "failed"
                 progress(f"{name} failed: {row['error']}")
             finally:
@@ -264,10 +265,8 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
 
 def _beat(store: ClaimStore, name: str, me: str, stop: threading.Event) -> None:
     while not stop.wait(30.0):
-        try:
+        with contextlib.suppress(Exception):  # a missed beat is retried; the run goes on
             store.heartbeat(name, me)
-        except Exception:  # noqa: BLE001 - a missed beat is retried; the run goes on
-            pass
 
 
 def choose_best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
