@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 import tomllib
 from collections.abc import Sequence
@@ -35,10 +36,17 @@ def read_calibration(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def apply_calibration(cfg: DflashConfig, path: str | Path | None) -> DflashConfig:
+def apply_calibration(cfg: DflashConfig, path: str | Path | None, warn: bool = True) -> DflashConfig:
+    """``cfg`` with the file's fitted tables; a warning on stderr when the file was fitted to another
+    model, drafter or bucketing than ``cfg`` describes (the rates would then be someone else's)."""
     if path is None:
         return cfg
     data = read_calibration(path)
+    if warn and isinstance(data.get("profile"), dict):
+        ours = _profile(cfg)
+        diff = [f"{k} {v!r} (config: {ours[k]!r})" for k, v in data["profile"].items() if k in ours and ours[k] != v]
+        if diff:
+            print(f"dflash: warning: {path} was fitted to another setup: {'; '.join(diff)}", file=sys.stderr)
     overrides = {f"{table}.{k}": v for table in APPLIED_TABLES for k, v in (data.get(table) or {}).items()}
     return with_overrides(cfg, overrides)
 
