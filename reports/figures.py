@@ -1,0 +1,243 @@
+"""The report's figures, drawn with matplotlib's Agg backend into PNG bytes.
+
+Figures are returned as bytes, not written, so the report can embed them (base64) and write them
+beside the Markdown only once every section has been built: a failure half-way leaves no files.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from reports.runs import RunData, bucket_labels, depth_series, loss_series, rolling_mix
+
+GIB = 2**30
+DPI = 100
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display, no GUI toolkit; also what the simulator's plot uses
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def _finite(x: Any) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return math.nan
+    return v if math.isfinite(v) else math.nan
+
+
+@dataclass(frozen=True)
+class Marked:
+    """A named configuration drawn on the Pareto plot (predicted mean and standard error)."""
+
+    label: str
+    throughput: float
+    throughput_se: float
+    mix: float
+    mix_se: float
+    marker: str
+
+
+# --------------------------------------------------------------------------- sweep
+def pareto(trials: pd.DataFrame, front: Sequence[int], feasible: dict[int, bool] | None,
+           marked: Sequence[Marked]) -> bytes:
+    """Every complete trial (colour: peak queue GiB), the front with error bars, named configs marked."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 5.6), constrained_layout=True)
+    x = trials["user_attrs_throughput_tokens_per_s"].map(_finite)
+    y = trials["user_attrs_mix_efficiency"].map(_finite)
+    mem = trials.get("user_attrs_peak_queue_bytes", pd.Series(np.nan, index=trials.index)).map(_finite) / GIB
+    ok = trials["number"].map(lambda n: True if feasible is None else feasible.get(int(n), False))
+    vmin, vmax = (float(np.nanmin(mem)), float(np.nanmax(mem))) if mem.notna().any() else (0.0, 1.0)
+    sc = ax.scatter(x[ok], y[ok], c=mem[ok], cmap="viridis", vmin=vmin, vmax=vmax, s=22, alpha=0.75,
+                    label="feasible trial" if feasible is not None else "trial (feasibility unknown)")
+    if (~ok).any():
+        ax.scatter(x[~ok], y[~ok], marker="x", color="0.6", s=20, label="infeasible trial")
+    on = trials["number"].isin(list(front))
+    if on.any():
+        f = trials[on].sort_values("user_attrs_throughput_tokens_per_s")
+        fx, fy = f["user_attrs_throughput_tokens_per_s"].map(_finite), f["user_attrs_mix_efficiency"].map(_finite)
+        xerr = f.get("user_attrs_throughput_tokens_per_s_se", pd.Series(np.nan, index=f.index)).map(_finite)
+        yerr = f.get("user_attrs_mix_efficiency_se", pd.Series(np.nan, index=f.index)).map(_finite)
+        ax.errorbar(fx, fy, xerr=xerr.fillna(0), yerr=yerr.fillna(0), fmt="none", ecolor="black", elinewidth=0.8,
+                    capsize=2, zorder=3)
+        ax.plot(fx, fy, color="black", lw=0.8, zorder=3)
+        ax.scatter(fx, fy, c=(f["user_attrs_peak_queue_bytes"].map(_finite) / GIB
+                              if "user_attrs_peak_queue_bytes" in f else None),
+                   cmap="viridis", vmin=vmin, vmax=vmax, s=70, edgecolors="black", linewidths=1.2, zorder=4,
+                   label=f"Pareto front ({int(on.sum())})")
+    colours = {"s": "tab:red", "D": "tab:orange", "*": "magenta"}
+    for m in marked:
+        if math.isnan(m.throughput) or math.isnan(m.mix):
+            continue
+        ax.errorbar([m.throughput], [m.mix], xerr=[0 if math.isnan(m.throughput_se) else m.throughput_se],
+                    yerr=[0 if math.isnan(m.mix_se) else m.mix_se], fmt=m.marker,
+                    color=colours.get(m.marker, "tab:red"), ms=13 if m.marker == "*" else 9,
+                    mec="black", capsize=3, zorder=5, label=m.label)
+        ax.annotate(m.label, (m.throughput, m.mix), textcoords="offset points", xytext=(8, 6), fontsize=8)
+    fig.colorbar(sc, ax=ax, label="peak queue memory (GiB)")
+    ax.set_xlabel("throughput (tokens/s), simulated")
+    ax.set_ylabel("mix_efficiency, simulated")
+    ax.set_title("Sweep: throughput vs mix_efficiency (mean ± standard error over seeds)")
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def _bins(values: pd.Series, max_bins: int = 8) -> tuple[pd.Series, list[str]]:
+    """Categorical bins of an integer knob: its own values when few, else equal-width ranges."""
+    v = values.astype(float)
+    uniq = sorted(v.dropna().unique())
+    if len(uniq) <= max_bins:
+        labels = [f"{u:g}" for u in uniq]
+        return v.map(lambda z: labels[uniq.index(z)] if z in uniq else None), labels
+    edges = np.linspace(min(uniq), max(uniq), max_bins + 1)
+    idx = np.clip(np.searchsorted(edges, v, side="right") - 1, 0, max_bins - 1)
+    labels = []
+    for i in range(max_bins):  # integer range of bin i: [edges[i], edges[i+1]), the last one closed
+        lo = math.ceil(edges[i])
+        hi = math.floor(edges[i + 1]) if i == max_bins - 1 else math.ceil(edges[i + 1]) - 1
+        labels.append(f"{lo}" if hi <= lo else f"{lo}-{hi}")
+    return pd.Series([labels[i] for i in idx], index=v.index), labels
+
+
+def binned(trials: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list[str]]:
+    """trials with ``mr_bin``/``md_bin`` columns (effective min_ready/max_depth) and the bin labels."""
+    df = trials.copy()
+    df["mr_bin"], mr_labels = _bins(df["user_attrs_queue_min_ready"])
+    df["md_bin"], md_labels = _bins(df["user_attrs_queue_max_depth"])
+    return df, mr_labels, md_labels
+
+
+def heatmaps(trials: pd.DataFrame, objectives: Sequence[tuple[str, str]]) -> bytes:
+    """Mean of each objective over (min_ready bin, max_depth bin), one row of panels per policy."""
+    plt = _plt()
+    df, mr_labels, md_labels = binned(trials)
+    policies = sorted(df["user_attrs_queue_policy"].dropna().unique())
+    rows, cols = max(len(policies), 1), len(objectives)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.2 * rows + 0.6), squeeze=False,
+                             constrained_layout=True)
+    for j, (col, title) in enumerate(objectives):
+        vals = df[col].map(_finite)
+        vmin, vmax = (float(np.nanmin(vals)), float(np.nanmax(vals))) if vals.notna().any() else (0.0, 1.0)
+        for i, pol in enumerate(policies):
+            ax = axes[i][j]
+            sub = df[df["user_attrs_queue_policy"] == pol]
+            grid = np.full((len(mr_labels), len(md_labels)), np.nan)
+            for (mr, md), g in sub.groupby(["mr_bin", "md_bin"]):
+                grid[mr_labels.index(mr), md_labels.index(md)] = np.nanmean(g[col].map(_finite))
+            im = ax.imshow(np.ma.masked_invalid(grid), origin="lower", aspect="auto", cmap="viridis",
+                           vmin=vmin, vmax=vmax)
+            if grid.size <= 100:
+                for (a, b), v in np.ndenumerate(grid):
+                    if np.isfinite(v):
+                        ax.text(b, a, f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3f}", ha="center", va="center",
+                                fontsize=6, color="white" if v < (vmin + vmax) / 2 else "black")
+            ax.set_xticks(range(len(md_labels)), md_labels, rotation=45, fontsize=7)
+            ax.set_yticks(range(len(mr_labels)), mr_labels, fontsize=7)
+            ax.set_xlabel("max_depth")
+            ax.set_ylabel("min_ready")
+            ax.set_title(f"{title} — {pol}", fontsize=9)
+            fig.colorbar(im, ax=ax, shrink=0.85)
+    return _png(fig)
+
+
+# --------------------------------------------------------------------------- runs
+Row = tuple[str, RunData | None, RunData | None]  # (label, simulated, measured)
+
+
+def _cell_missing(ax: Any, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def queue_depth(rows: Sequence[Row]) -> bytes:
+    """Stacked per-bucket depth (total line on top) seen at each take; simulated | measured per row."""
+    plt = _plt()
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 2.6 * len(rows) + 0.4), squeeze=False,
+                             constrained_layout=True)
+    for i, (label, sim, real) in enumerate(rows):
+        for j, (run, kind) in enumerate(((sim, "simulated"), (real, "measured"))):
+            ax = axes[i][j]
+            ax.set_title(f"{label} — {kind}", fontsize=9)
+            if run is None or not run.takes:
+                _cell_missing(ax, "no take records")
+                continue
+            k = run.n_buckets
+            t, total, per = depth_series(run.takes, k)
+            ax.stackplot(t, per, labels=bucket_labels(run.bucket_bounds, k), step="post", alpha=0.85)
+            ax.step(t, total, where="post", color="black", lw=0.7, label="total")
+            ax.set_xlabel("time (s)")
+            ax.set_ylabel("depth (items)")
+            if i == 0:
+                ax.legend(loc="upper right", fontsize=6, ncol=k + 1)
+    return _png(fig)
+
+
+def bucket_mix(rows: Sequence[Row]) -> bytes:
+    """Bucket shares of each window of W taken items; simulated | measured per row."""
+    plt = _plt()
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 2.4 * len(rows) + 0.4), squeeze=False,
+                             constrained_layout=True)
+    for i, (label, sim, real) in enumerate(rows):
+        for j, (run, kind) in enumerate(((sim, "simulated"), (real, "measured"))):
+            ax = axes[i][j]
+            ax.set_title(f"{label} — {kind}", fontsize=9)
+            if run is None or not run.takes:
+                _cell_missing(ax, "no take records")
+                continue
+            k, w = run.n_buckets, run.window
+            fr = rolling_mix(run.takes, w, k)
+            n_win = len(fr[0]) if fr else 0
+            if n_win == 0:
+                _cell_missing(ax, f"fewer than {w} taken items")
+                continue
+            ax.stackplot(range(n_win + 1), [f + f[-1:] for f in fr], labels=bucket_labels(run.bucket_bounds, k),
+                         step="post", alpha=0.85)
+            ax.set_xlim(0, n_win)
+            ax.set_ylim(0, 1)
+            ax.set_xlabel(f"window of {w} taken items")
+            ax.set_ylabel("bucket share")
+            if i == 0:
+                ax.legend(loc="upper right", fontsize=6, ncol=k)
+    return _png(fig)
+
+
+def loss_curves(curves: Sequence[tuple[str, RunData]]) -> bytes:
+    """Per-step training loss of each measured run (thin), and its running mean over 10 logged losses."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(10, 4.2), constrained_layout=True)
+    for label, run in curves:
+        xs, ys = loss_series(run.steps)
+        line = ax.plot(xs, ys, lw=0.7, alpha=0.45)[0]
+        if len(ys) >= 10:
+            smooth = np.convolve(ys, np.ones(10) / 10, mode="valid")
+            ax.plot(xs[9:], smooth, lw=1.6, color=line.get_color(), label=label)
+        else:
+            line.set_label(label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Training loss, measured")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)

@@ -1,0 +1,316 @@
+"""`dflash report` on real inputs: a real short sweep, real simulator records, a real trainer run.
+
+The validation directory is written here in `dflash validate`'s documented layout (validation.json
+plus runs/ and sim/ record directories); its runs are simulator records of the selected configs
+(same schema as real runs; the "measured" side is another seed), and every number in it comes from
+those runs or from the sweep's selection. The report's tables are then checked against those inputs
+with the report's documented rounding, and the HTML is loaded in Debian's headless Chromium.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash.cli import main
+from dflash.config import load_config, with_overrides
+from dflash.records import read_records
+from reports.fmt import fmt_metric, fmt_pm, fmt_rel, parse_md_table
+from simulator.run import simulate
+from simulator.workload import make_sampler
+from tuning.sweep import SweepArgs, run_sweep
+from tuning.validate import COMPARED, GOALS, rel_errors, within_goals
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+SWEEP_TOML = """
+seed = 0
+[workload]
+lengths = "lognormal"
+n_sequences = 3000
+order = "length_grouped"
+[cluster]
+n_target = 4
+n_drafter = 4
+[metrics]
+warmup_s = 60.0
+[sweep]
+seeds_per_trial = 2
+sim_seconds = 600
+top_k = 2
+memory_budget_gib = 40.0
+space = { min_ready = { low = 1, high = 60 }, max_depth = { low = 10, high = 120, step = 10 }, \
+policy = ["random_item", "fifo", "proportional"] }
+"""
+VALIDATED = ("baseline", "handpicked", "tuned-1")
+METRICS = ("throughput_tokens_per_s", "samples_per_s", "mix_efficiency", "mix_entropy", "mix_kl", "length_autocorr",
+           "max_bucket_streak", "drafter_utilization", "target_utilization", "drafter_gate_wait_frac",
+           "producer_blocked_frac", "mean_queue_depth", "peak_queue_bytes")
+
+
+def section(md: str, title: str) -> str:
+    """The Markdown text of one ``## title`` section."""
+    start = md.index(f"## {title}")
+    end = md.find("\n## ", start + 3)
+    return md[start:end if end > 0 else None]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A main-job-like directory: sweep/, validate/ (runs + sims), calibration.json; and its report."""
+    root = tmp_path_factory.mktemp("report")
+    demo_dir = root / "dflash-demo"
+    (demo_dir).mkdir()
+    cfg_path = root / "sweep.toml"
+    cfg_path.write_text(SWEEP_TOML)
+    cfg = load_config(cfg_path)
+    sweep_dir = demo_dir / "sweep"
+    res = run_sweep(cfg, SweepArgs(trials=14, storage=str(sweep_dir / "study.journal"), study="s", workers=1,
+                                   grid=False, out=sweep_dir, calibration=None), progress=False)
+    selection = json.loads((sweep_dir / "selection.json").read_text())
+    by_name = {c["name"]: c for c in selection["configs"]}
+
+    cal = {"timing": {k: v for k, v in dataclasses.asdict(cfg.timing).items() if not isinstance(v, tuple)},
+           "fit": {"target": {"mape": 0.041, "n": 40}, "drafter": {"mape": 0.087, "n": 40}}}
+    cal_path = demo_dir / "calibration.json"
+    cal_path.write_text(json.dumps(cal))
+
+    val_dir = demo_dir / "validate"
+    configs = []
+    for name in VALIDATED:
+        sc = by_name[name]
+        qcfg = with_overrides(cfg, {f"queue.{k}": v for k, v in sc["queue"].items()})
+        simulate(qcfg, make_sampler(qcfg.workload, seed=0), sim_seconds=600, records_dir=val_dir / "sim" / name)
+        mcfg = with_overrides(qcfg, {"seed": 100})
+        meas = simulate(mcfg, make_sampler(mcfg.workload, seed=100), sim_seconds=600,
+                        records_dir=val_dir / "runs" / name).metrics
+        measured = {m: meas.get(m) for m in COMPARED} | {"tau": None}  # simulated "measurement": no loss, no tau
+        se = {"mix_efficiency": meas["mix_efficiency_se"]}
+        pred = {m: sc["predicted"].get(m, {"mean": None, "se": None}) for m in COMPARED}
+        configs.append({
+            "name": name, "trial": sc["trial"], "params": sc["params"], "queue": sc["queue"],
+            "run_dir": f"runs/{name}", "sim_dir": f"sim/{name}", "measured": measured, "measured_se": se,
+            "predicted": pred, "rel_error": rel_errors(measured, pred), "within_goal": within_goals(measured, se, pred),
+            "steps": next(read_records(val_dir / "runs" / name, "summary"))["steps"], "wall_s": 0.5,
+            "loss_roughness_steps": None, "tau_prompts": None})
+    validation = {"takes": 100, "calibration": str(cal_path), "selection": str(sweep_dir / "selection.json"),
+                  "base_config": cfg.to_dict(), "chosen": "tuned-1", "best_toml": "best.toml",
+                  "command": f"dflash train --config {val_dir / 'best.toml'}",
+                  "devices": {"target": ["cpu"], "drafter": ["cpu"]}, "goals": GOALS, "configs": configs,
+                  "failed": [], "claims": None}
+    (val_dir / "validation.json").write_text(json.dumps(validation))
+
+    out = root / "out"
+    assert main(["report", str(demo_dir), "--out", str(out)]) == 0
+    return {"root": root, "demo": demo_dir, "out": out, "md": (out / "report.md").read_text(),
+            "html": (out / "report.html").read_text(), "validation": validation, "selection": selection,
+            "sweep": res, "cal": cal}
+
+
+def test_the_recommendation_comes_first_and_names_the_choice_and_its_command(demo: dict) -> None:
+    md = demo["md"]
+    first = section(md, "Recommendation")
+    assert md.index("## Recommendation") < md.index("## ", md.index("## Recommendation") + 3)
+    assert "Run tuned-1:" in first and demo["validation"]["command"] in first
+    assert "Why (measured on the real trainer):\n\n- Against baseline (10/30 random_item threshold): " in first
+    assert "\n- Against handpicked (30/90 random_item threshold): " in first
+    rows = {r["config"]: r for r in parse_md_table(first)}
+    assert list(rows) == ["tuned-1 (chosen)", "baseline", "handpicked"]
+    for name, label in (("tuned-1", "tuned-1 (chosen)"), ("baseline", "baseline")):
+        vc = next(c for c in demo["validation"]["configs"] if c["name"] == name)
+        t = vc["measured"]["throughput_tokens_per_s"]
+        assert rows[label]["tokens/s measured"] == fmt_metric("throughput_tokens_per_s", t) == f"{t:,.0f}"
+        p = vc["predicted"]["mix_efficiency"]
+        assert rows[label]["mix_efficiency predicted"] == f"{p['mean']:.3f} ± {p['se']:.3f}"
+
+
+def test_simulated_vs_measured_table_equals_the_validation_numbers(demo: dict) -> None:
+    rows = parse_md_table(section(demo["md"], "Simulated vs measured"))
+    table = {(r["config"], r["metric"]): r for r in rows}
+    for vc in demo["validation"]["configs"]:
+        for m in METRICS:
+            row = table[(vc["name"], m)]
+            p = vc["predicted"][m]
+            assert row["simulated"] == fmt_pm(m, p["mean"], p["se"])
+            assert row["measured"] == fmt_pm(m, vc["measured"][m], vc["measured_se"].get(m))
+            assert row["rel. error"] == fmt_rel(vc["rel_error"].get(m))
+            assert row["within goal"] == {True: "yes", False: "NO", None: ""}[vc["within_goal"].get(m)]
+        mix = table[(vc["name"], "mix_efficiency")]
+        assert mix["measured"] == f"{vc['measured']['mix_efficiency']:.3f} ± {vc['measured_se']['mix_efficiency']:.3f}"
+        assert mix["rel. error"] == f"{vc['rel_error']['mix_efficiency']:+.1%}"
+
+
+def test_pareto_front_is_the_feasible_front_and_importances_are_the_selections(demo: dict) -> None:
+    front = demo["sweep"]["front"]
+    md = section(demo["md"], "Pareto front: throughput vs mix_efficiency")
+    rows = parse_md_table(md[md.index("| trial"):])
+    assert len(rows) == len(front) > 0
+    assert {int(r["trial"]) for r in rows} == {t.number for t in front}
+    n_feasible = demo["sweep"]["feasible"]
+    assert f"{len(front)} configurations on the feasible Pareto front of 14 complete trials ({n_feasible} feasible)" \
+        in md
+    tuned1 = next(r for r in rows if r["selected as"] == "tuned-1")
+    assert int(tuned1["trial"]) == demo["selection"]["configs"][0]["trial"]
+    imps = demo["selection"]["importances"]
+    table = {r["knob"]: r for r in parse_md_table(section(demo["md"], "Parameter importances"))}
+    for objective, values in imps.items():
+        for knob, v in values.items():
+            assert table[knob][objective] == f"{v:.3f}"
+
+
+def test_figures_calibration_and_metadata(demo: dict) -> None:
+    out, md = demo["out"], demo["md"]
+    names = re.findall(r"\]\(figures/([a-z_]+)\.png\)", md)
+    assert set(names) == {"pareto", "heatmaps", "queue_depth", "bucket_mix"}
+    for n in names:
+        assert (out / "figures" / f"{n}.png").read_bytes()[:4] == b"\x89PNG"
+    assert "> Not available: loss curves" in section(md, "Loss curves")  # simulator records have no losses
+    cal = section(md, "Calibration")
+    timing = {r["key"]: r["value"] for r in parse_md_table(cal)}
+    assert timing["drafter_fixed_s"] == f"{demo['cal']['timing']['drafter_fixed_s']:.6g}"
+    assert "| target | 0.041 | 40 |" in cal
+    meta = {r["item"]: r["value"] for r in parse_md_table(section(md, "Run metadata"))}
+    assert meta["takes per validated config"] == "100" and meta["devices"] == "target cpu; drafter cpu"
+    assert meta["validation goals"] == GOALS
+    assert meta["dflash-tune"] == __import__("dflash").__version__
+    assert str(demo["demo"] / "calibration.json") in meta["calibration used"]
+    assert "short runs have wide standard errors" in section(md, "Run metadata").lower()
+
+
+def test_html_is_self_contained(demo: dict) -> None:
+    html = demo["html"]
+    assert "<script" not in html.lower()
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!data:|#)""", html)
+    assert "http://" not in html and "https://" not in html
+    assert html.count('<img src="data:image/png;base64,') == 4
+    assert not list(demo["out"].glob(".*tmp*")) and not list((demo["out"] / "figures").glob(".*tmp*"))
+
+
+@pytest.mark.skipif(not CHROMIUM.exists() or not CHROMEDRIVER.exists(),
+                    reason="Debian's chromium and chromium-driver are not installed (/usr/bin/chromium, "
+                           "/usr/bin/chromedriver; scripts/install_chromium.sh installs them)")
+def test_report_renders_in_headless_chromium_with_no_errors(demo: dict, tmp_path: Path) -> None:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)  # both paths explicit: Selenium Manager never downloads a browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=opts)
+    try:
+        driver.get((demo["out"] / "report.html").resolve().as_uri())
+        assert driver.title.startswith("dflash-tune report")
+        images = driver.execute_script(
+            "return Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+        assert len(images) == 4 and all(c and w > 0 and h > 0 for c, w, h in images), images
+        resources = driver.execute_script(
+            "return performance.getEntriesByType('resource').map(e => e.name)")
+        assert all(r.startswith("data:") for r in resources), resources
+        errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+        assert errors == []
+        assert "Run tuned-1" in driver.find_element("css selector", "#recommendation").text
+    finally:
+        driver.quit()
+
+
+def test_missing_sections_say_not_available_and_do_not_crash(demo: dict, tmp_path: Path) -> None:
+    """A sparse validation.json (no selection, no runs, odd keys) and one standalone sim records dir."""
+    val = tmp_path / "val"
+    val.mkdir()
+    (val / "validation.json").write_text(json.dumps({"chosen": "tuned-1", "configs": [
+        {"name": "tuned-1", "queue": {"min_ready": 7, "max_depth": 40}, "measured": {"mix_efficiency": None}},
+        "not a config", {"run_dir": "runs/none"}]}))
+    sim = demo["demo"] / "validate" / "sim" / "baseline"
+    out = tmp_path / "out"
+    assert main(["report", str(val), str(sim), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "Run tuned-1: 7/40" in md and "dflash train --hs-min-ready 7 --hs-max-depth 40" in md
+    for title in ("Pareto front: throughput vs mix_efficiency", "Sensitivity", "Parameter importances",
+                  "Calibration"):
+        assert "> Not available:" in section(md, title), title
+    assert "![" in section(md, "Queue depth and bucket mix over time")  # the standalone sim run is drawn
+    rows = parse_md_table(section(md, "Simulated vs measured"))
+    assert rows == [{"config": "tuned-1", "metric": "mix_efficiency", "simulated": "n/a", "measured": "n/a",
+                     "rel. error": "n/a", "|diff|/SE": "n/a"}]
+
+
+@pytest.mark.parametrize("kind", ["text file", "empty dir", "bad selection", "bad validation"])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(kind: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / "in"
+    if kind == "text file":
+        bad = tmp_path / "notes.txt"
+        bad.write_text("hello")
+    else:
+        bad.mkdir()
+        if kind == "bad selection":
+            (bad / "selection.json").write_text("{not json")
+        elif kind == "bad validation":
+            (bad / "validation.json").write_text("[1, 2")
+    out = tmp_path / "out"
+    assert main(["report", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dflash report: error: INPUT") and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_real_trainer_run_gives_loss_curves_and_its_measured_numbers(tmp_path: Path) -> None:
+    """A short real run (tiny random Llama, SmolLM2 tokenizer, packaged ShareGPT) at the baseline queue, and
+    `dflash calibrate`'s file fitted to it."""
+    from dflash.config import (
+        ClusterConfig,
+        DflashConfig,
+        DrafterConfig,
+        QueueConfig,
+        TargetConfig,
+        TrainConfig,
+        WorkloadConfig,
+    )
+    from dflash.data import load_conversations, resolve_dataset
+    from dflash.lengths import load_tokenizer
+    from dflash.target import LoadedTarget
+    from dflash.trainer import Trainer
+    from tests.tiny_models import tiny_llama
+
+    tok = load_tokenizer("smollm2")
+    target = LoadedTarget(model=tiny_llama(vocab_size=len(tok), layers=6, init_std=0.2), tokenizer=tok,
+                          source="tiny-llama", cache_hit=True, load_s=0.0)
+    convs, _ = load_conversations(resolve_dataset("sharegpt"), "first_exchange", 300)
+    cfg = DflashConfig(
+        workload=WorkloadConfig(sample="first_exchange", max_len=128, bucket_bounds=(32, 64, 128), seqs_per_item=1,
+                                order="length_grouped", mega_batch=8),
+        cluster=ClusterConfig(n_target=1, n_drafter=1), queue=QueueConfig(min_ready=10, max_depth=30),
+        target=TargetConfig(capture_layers=3), drafter=DrafterConfig(layers=1, block_size=8, anchors=8),
+        train=TrainConfig(lr=3e-3, log_every=1000, max_steps=40))
+    run = tmp_path / "run"
+    res = Trainer(cfg, run, target=target, conversations=convs, progress=None).run()
+    cal_path = tmp_path / "calibration.json"
+    assert main(["calibrate", "--run", str(run), "--out", str(cal_path)]) == 0
+    cal = json.loads(cal_path.read_text())
+    out = tmp_path / "out"
+    assert main(["report", str(run), str(cal_path), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    cal_md = section(md, "Calibration")
+    assert f"Timing fit: target MAPE {cal['fit']['target']['mape']:.1%} (n {cal['fit']['target']['n']})" in cal_md
+    timing = {r["key"]: r["value"] for r in parse_md_table(cal_md)}
+    assert timing["drafter_fixed_s"] == f"{cal['timing']['drafter_fixed_s']:.6g}"
+    loss = section(md, "Loss curves")
+    assert "](figures/loss.png)" in loss and (out / "figures" / "loss.png").stat().st_size > 5000
+    row = parse_md_table(loss)[0]
+    assert row["config"] == "baseline" and row["steps"] == "40"  # 10/30 with the default policy
+    assert row["loss_roughness measured"] == f"{res.metrics['loss_roughness']:.3f}"
+    span = res.metrics["loss_roughness_steps"]
+    assert row["over"] == f"steps {span[0]}-{span[1]}"
+    runs = parse_md_table(section(md, "Queue depth and bucket mix over time")[
+        section(md, "Queue depth and bucket mix over time").index("| config"):])
+    assert runs[0]["kind"] == "measured" and runs[0]["takes"] == "40"
+    meta = {r["item"]: r["value"] for r in parse_md_table(section(md, "Run metadata"))}
+    assert meta["devices"] == "target cpu; drafter cpu"
