@@ -244,7 +244,9 @@ def prompt_token_lengths(convs: Iterable[Conversation], tokenizer: Any, *, batch
             msgs = _messages(conv)
             first = next((k for k, m in enumerate(msgs) if m["role"] == "assistant"), None)
             prompts.append(msgs[:first] if first is not None else msgs)
-        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+        # A conversation that opens with a response has no prompt: its responses start at once.
+        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) if m else ""
+                 for m in prompts]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         out.extend(len(x) for x in ids)
     return out
