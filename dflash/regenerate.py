@@ -9,9 +9,10 @@ set (``[workload] dataset = "DATA.jsonl"``).
 **Prompts.** The configured data set (``workload.dataset``, at most ``workload.max_conversations``
 records) is read whole (``sample = "conversation"``, whatever ``workload.sample`` says: ``--turns``
 decides). A record is eligible when, after optional system turns, it opens with a non-empty user
-turn; records that open with an assistant turn (ShareGPT's split continuations, about a third of
-the packaged file) are skipped, because their first question answers context written by another
-model. ``--turns first``: the first user turn (and the system turns before it) is the prompt.
+turn (and, as :mod:`dflash.data` reads conversations, has at least one assistant turn); records that
+open with an assistant turn (ShareGPT's split continuations, about a third of the packaged file)
+are skipped, because their first question answers context written by another model.
+``--turns first``: the first user turn (and the system turns before it) is the prompt.
 ``--turns all``: every non-empty user turn in order, each asked with the conversation so far, in
 which the earlier replies are the *regenerated* ones (the original assistant turns are dropped
 entirely), so the context the target sees is its own. ``--limit N`` takes the first N eligible
@@ -21,7 +22,9 @@ unique id (the resume key).
 
 **Back ends.** ``transformers`` (default): the target (``target.model``, float32 on the CPU,
 bfloat16 on CUDA) runs ``generate`` on batches of ``--batch-size`` prompts, left-padded with an
-attention mask, on ``--device`` (default: the first of ``target.devices``). Prompts are rendered
+attention mask, on ``--device`` (default: the first of ``target.devices``); each batch is the
+shortest prompts of a pool of eight batches' worth (:func:`run_transformers`: less padding), and a
+``--turns all`` record rejoins the pool with its next turn. Prompts are rendered
 with the target's chat template and the generation prompt (:func:`dflash.acceptance.render_prompt`,
 never shortened); a prompt of ``workload.max_len`` tokens or more is skipped and counted, because
 the trainer truncates every sequence at ``max_len`` and such a prompt could not keep a single reply
@@ -51,6 +54,10 @@ that splits lines that way never cuts a record in two.
 Beside it: ``DATA.jsonl.meta.json`` (the sidecar: generation settings, target identity with a
 cheap weights fingerprint, data set, counts and one entry per run with its speed and timestamps)
 and ``DATA.jsonl.failed.jsonl`` (one line per failed prompt and run: id, error, attempts, time).
+
+A record is written once all its turns are answered; a turn that fails fails its record (nothing of
+it is written, it is retried by the next run). With ``OPENAI_API_KEY`` set, requests carry it as a
+bearer token (for servers started with an API key).
 
 **Resume and safety.** Each record is one ``os.write`` of one whole line on an ``O_APPEND`` file,
 followed by ``fsync`` (once per batch of finished records). On start a trailing partial line (a
@@ -102,6 +109,7 @@ BACKOFF_S = 0.5  # first retry waits this long, then doubles, capped at BACKOFF_
 BACKOFF_MAX_S = 30.0
 PROGRESS_EVERY_S = 2.0
 SIDECAR_EVERY_S = 10.0
+POOL_BATCHES = 8  # the transformers back end picks each batch among this many batches' worth of prompts
 _RETRY_STATUS = frozenset({408, 409, 429})
 # json.dumps(ensure_ascii=False) leaves these raw, and str.splitlines() (dflash.data) breaks lines at them.
 _LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
@@ -515,6 +523,7 @@ class Progress:
         self.records = 0
         self.failed = 0
         self.skipped = 0
+        self.printed: tuple[int, ...] | None = None
 
     def reply(self, r: Reply) -> None:
         with self.lock:
@@ -545,9 +554,14 @@ class Progress:
                 f"{self.skipped} skipped) | {pps:.2f} prompts/s, {tps:.1f} tokens/s{eta}")
 
     def maybe_print(self, force: bool = False) -> None:
+        """The progress line, at most every ``every`` seconds (``force``: now, unless nothing changed)."""
         now = time.perf_counter()
         if force or now - self.last >= self.every:
             self.last = now
+            state = (self.records, self.failed, self.skipped, self.replies)
+            if force and state == self.printed:
+                return
+            self.printed = state
             print(self.line(), file=self.stream, flush=True)
 
 
@@ -691,16 +705,25 @@ def _err(exc: BaseException) -> str:
 
 
 def run_transformers(jobs: Iterable[Job], backend: TransformersBackend, batch_size: int,
-                     emit: Callable[[list[dict[str, Any]], list[Failure]], None], progress: Progress) -> None:
-    """Continuous batching over records: up to ``batch_size`` records in flight, each batch asks every
-    one of them its next turn, finished records are emitted right after the batch that finished them."""
+                     emit: Callable[[list[dict[str, Any]], list[Failure]], None], progress: Progress,
+                     window: int = POOL_BATCHES) -> None:
+    """Length-grouped continuous batching over records.
+
+    A pool holds up to ``window * batch_size`` prompts ready to go (new records in data order, and
+    records of ``--turns all`` waiting for their next turn); each batch is the ``batch_size`` shortest
+    of them (ties: earlier record first). Why: a left-padded batch costs its longest prompt times its
+    rows, and ShareGPT's prompts range from 30 to thousands of tokens, so batching neighbours in data
+    order spends most of the prefill on padding. Long prompts still go once they fill the pool or the
+    data runs out. Finished records are emitted right after the batch that finished them.
+    """
     pending: Iterator[Job] = iter(jobs)
-    active: list[tuple[Job, list[int]]] = []
+    pool: list[tuple[int, Job, list[int]]] = []  # (data order, job, prompt ids of its next turn)
+    order = 0
     exhausted = False
     while True:
         records: list[dict[str, Any]] = []
         failures: list[Failure] = []
-        while len(active) < batch_size and not exhausted:
+        while len(pool) < batch_size * window and not exhausted:
             job = next(pending, None)
             if job is None:
                 exhausted = True
@@ -709,12 +732,14 @@ def run_transformers(jobs: Iterable[Job], backend: TransformersBackend, batch_si
             if ids is None:
                 progress.finished(skipped=1)
                 continue
-            active.append((job, ids))
-        if not active:
+            pool.append((order, job, ids))
+            order += 1
+        if not pool:
             break
-        results = backend.generate_safe([ids for _, ids in active])
-        still: list[tuple[Job, list[int]]] = []
-        for (job, _), res in zip(active, results, strict=True):
+        pool.sort(key=lambda e: (len(e[2]), e[0]))
+        batch, pool = pool[:batch_size], pool[batch_size:]
+        results = backend.generate_safe([ids for _, _, ids in batch])
+        for (k, job, _), res in zip(batch, results, strict=True):
             if isinstance(res, Failure):
                 failures.append(Failure(job.source.id, res.error, res.attempts))
                 continue
@@ -725,10 +750,9 @@ def run_transformers(jobs: Iterable[Job], backend: TransformersBackend, batch_si
                 if nxt is None:
                     job.stop("context")  # the next turn's prompt would not fit workload.max_len
                 else:
-                    still.append((job, nxt))
+                    pool.append((k, job, nxt))
                     continue
             records.append(job.record())
-        active = still
         emit(records, failures)
         progress.finished(records=len(records), failed=len(failures))
         progress.maybe_print()
