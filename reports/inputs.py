@@ -213,7 +213,21 @@ def load_sweep(path: Path) -> SweepInput:
             raise ConfigError("INPUT", f"trials.parquet must be a readable Parquet file ({type(exc).__name__})",
                               str(parquet)) from None
     sweep.feasible, sweep.front = _study_feasibility(path, selection)
+    if sweep.feasible is None and sweep.trials is not None and "feasible" in sweep.trials.columns:
+        sweep.feasible, sweep.front = _parquet_feasibility(sweep.trials)
     return sweep
+
+
+def _parquet_feasibility(df: pd.DataFrame) -> tuple[dict[int, bool], list[int] | None]:
+    """The sweep's own ``feasible`` column (a study in PostgreSQL has no local journal to read)."""
+    feasible = {int(n): bool(f) for n, f in zip(df["number"], df["feasible"], strict=True)}
+    if not {"values_0", "values_1"} <= set(df.columns):
+        return feasible, None
+    ok = df[df["feasible"].astype(bool)]
+    pts = list(zip(ok["number"], ok["values_0"], ok["values_1"], strict=True))
+    front = [int(n) for n, a, b in pts
+             if not any(a2 >= a and b2 >= b and (a2 > a or b2 > b) for _, a2, b2 in pts)]
+    return feasible, sorted(front)
 
 
 def _study_feasibility(path: Path, selection: dict[str, Any]) -> tuple[dict[int, bool] | None, list[int] | None]:

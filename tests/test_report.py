@@ -162,6 +162,20 @@ def test_pareto_front_is_the_feasible_front_and_importances_are_the_selections(d
             assert table[knob][objective] == f"{v:.3f}"
 
 
+def test_without_the_study_journal_the_front_comes_from_the_parquet_feasible_column(demo: dict,
+                                                                                   tmp_path: Path) -> None:
+    """A study kept in PostgreSQL leaves no journal beside selection.json; the report still marks the front."""
+    import shutil
+
+    sweep = tmp_path / "sweep"
+    shutil.copytree(demo["demo"] / "sweep", sweep)
+    (sweep / "study.journal").unlink()
+    assert main(["report", str(sweep), "--out", str(tmp_path / "out")]) == 0
+    md = section((tmp_path / "out" / "report.md").read_text(), "Pareto front: throughput vs mix_efficiency")
+    rows = parse_md_table(md[md.index("| trial"):])
+    assert {int(r["trial"]) for r in rows} == {t.number for t in demo["sweep"]["front"]}
+
+
 def test_figures_calibration_and_metadata(demo: dict) -> None:
     out, md = demo["out"], demo["md"]
     names = re.findall(r"\]\(figures/([a-z_]+)\.png\)", md)

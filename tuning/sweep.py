@@ -220,6 +220,8 @@ def finish(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: E
     sel_path = write_selection(args.out / "selection.json", clean_json(selection))
     df = study.trials_dataframe(attrs=("number", "value" if len(objective_names) == 1 else "values",
                                        "params", "user_attrs", "state", "duration"))
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    df["feasible"] = [by_number[n].state == TrialState.COMPLETE and feasible(by_number[n]) for n in df["number"]]
     parquet = args.out / "trials.parquet"
     df.to_parquet(parquet, index=False)
     return {"study": study, "front": front, "top": top, "named": named, "importances": imps,
