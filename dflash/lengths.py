@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash.atomic import atomic_write_text
 from dflash.config import WorkloadConfig
 from dflash.data import Conversation, ParseStats, load_conversations, resolve_dataset
 from dflash.errors import ConfigError
@@ -90,22 +91,6 @@ def _hash(obj: Any, n: int = 20) -> str:
 
 
 # --------------------------------------------------------------------------- atomic writes
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache should stay readable
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 # --------------------------------------------------------------------------- tokenizer
 def resolve_model(model: str) -> tuple[Path | None, Path]:
     """``target.model`` -> (the GGUF file if it names one, the path form of the string).
@@ -308,7 +293,7 @@ class LengthCache:
         return tid if isinstance(tid, dict) else None
 
     def put_tokenizer_identity(self, mid: Mapping[str, Any], tid: Mapping[str, Any]) -> None:
-        _atomic_write_text(self._tid_path(mid),
+        atomic_write_text(self._tid_path(mid),
                            json.dumps({"model_identity": mid, "tokenizer": tid}, sort_keys=True))
 
     # length tables -------------------------------------------------------------------
@@ -337,7 +322,7 @@ class LengthCache:
 
     def save(self, table: LengthTable, data_path: Path | None = None, sample: str | None = None) -> Path:
         p = self.path(table.key, data_path, sample)
-        _atomic_write_text(p, json.dumps(table.to_json(), separators=(",", ":")))
+        atomic_write_text(p, json.dumps(table.to_json(), separators=(",", ":")))
         return p
 
 

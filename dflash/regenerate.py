@@ -80,7 +80,6 @@ import math
 import os
 import random
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -94,6 +93,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any, TextIO
 
+from dflash.atomic import atomic_write_text
 from dflash.config import DflashConfig
 from dflash.data import Conversation, load_conversations, resolve_dataset
 from dflash.errors import ConfigError
@@ -380,21 +380,8 @@ def _now() -> str:
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    """Readers see the old sidecar or the new one, never half of one (temp file, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, ensure_ascii=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Readers see the old sidecar or the new one, never half of one."""
+    atomic_write_text(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,56 +171,56 @@ def _cell_missing(ax: Any, text: str) -> None:
     ax.set_yticks([])
 
 
-def queue_depth(rows: Sequence[Row]) -> bytes:
-    """Stacked per-bucket depth (total line on top) seen at each take; simulated | measured per row."""
+def _sim_vs_real(rows: Sequence[Row], row_height: float, draw: Callable[[Any, RunData], str | None]) -> bytes:
+    """One figure row per config, simulated | measured side by side; ``draw`` fills one cell and
+    returns None, or a reason the cell is empty."""
     plt = _plt()
-    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 2.6 * len(rows) + 0.4), squeeze=False,
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, row_height * len(rows) + 0.4), squeeze=False,
                              constrained_layout=True)
     for i, (label, sim, real) in enumerate(rows):
         for j, (run, kind) in enumerate(((sim, "simulated"), (real, "measured"))):
             ax = axes[i][j]
             ax.set_title(f"{label} — {kind}", fontsize=9)
-            if run is None or not run.takes:
-                _cell_missing(ax, "no take records")
-                continue
-            k = run.n_buckets
-            t, total, per = depth_series(run.takes, k)
-            ax.stackplot(t, per, labels=bucket_labels(run.bucket_bounds, k), step="post", alpha=0.85)
-            ax.step(t, total, where="post", color="black", lw=0.7, label="total")
-            ax.set_xlabel("time (s)")
-            ax.set_ylabel("depth (items)")
-            if i == 0:
-                ax.legend(loc="upper right", fontsize=6, ncol=k + 1)
+            missing = "no take records" if run is None or not run.takes else draw(ax, run)
+            if missing:
+                _cell_missing(ax, missing)
+            elif i == 0:
+                ax.legend(loc="upper right", fontsize=6, ncol=run.n_buckets + 1)
     return _png(fig)
+
+
+def queue_depth(rows: Sequence[Row]) -> bytes:
+    """Stacked per-bucket depth (total line on top) seen at each take; simulated | measured per row."""
+
+    def draw(ax: Any, run: RunData) -> None:
+        k = run.n_buckets
+        t, total, per = depth_series(run.takes, k)
+        ax.stackplot(t, per, labels=bucket_labels(run.bucket_bounds, k), step="post", alpha=0.85)
+        ax.step(t, total, where="post", color="black", lw=0.7, label="total")
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("depth (items)")
+
+    return _sim_vs_real(rows, 2.6, draw)
 
 
 def bucket_mix(rows: Sequence[Row]) -> bytes:
     """Bucket shares of each window of W taken items; simulated | measured per row."""
-    plt = _plt()
-    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 2.4 * len(rows) + 0.4), squeeze=False,
-                             constrained_layout=True)
-    for i, (label, sim, real) in enumerate(rows):
-        for j, (run, kind) in enumerate(((sim, "simulated"), (real, "measured"))):
-            ax = axes[i][j]
-            ax.set_title(f"{label} — {kind}", fontsize=9)
-            if run is None or not run.takes:
-                _cell_missing(ax, "no take records")
-                continue
-            k, w = run.n_buckets, run.window
-            fr = rolling_mix(run.takes, w, k)
-            n_win = len(fr[0]) if fr else 0
-            if n_win == 0:
-                _cell_missing(ax, f"fewer than {w} taken items")
-                continue
-            ax.stackplot(range(n_win + 1), [f + f[-1:] for f in fr], labels=bucket_labels(run.bucket_bounds, k),
-                         step="post", alpha=0.85)
-            ax.set_xlim(0, n_win)
-            ax.set_ylim(0, 1)
-            ax.set_xlabel(f"window of {w} taken items")
-            ax.set_ylabel("bucket share")
-            if i == 0:
-                ax.legend(loc="upper right", fontsize=6, ncol=k)
-    return _png(fig)
+
+    def draw(ax: Any, run: RunData) -> str | None:
+        k, w = run.n_buckets, run.window
+        fr = rolling_mix(run.takes, w, k)
+        n_win = len(fr[0]) if fr else 0
+        if n_win == 0:
+            return f"fewer than {w} taken items"
+        ax.stackplot(range(n_win + 1), [f + f[-1:] for f in fr], labels=bucket_labels(run.bucket_bounds, k),
+                     step="post", alpha=0.85)
+        ax.set_xlim(0, n_win)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel(f"window of {w} taken items")
+        ax.set_ylabel("bucket share")
+        return None
+
+    return _sim_vs_real(rows, 2.4, draw)
 
 
 def loss_curves(curves: Sequence[tuple[str, RunData]]) -> bytes:

@@ -121,14 +121,11 @@ def _check_compatible(inputs: Sequence[Any]) -> None:
 
 def write_calibration(data: dict[str, Any], path: str | Path) -> Path:
     """Atomically: a killed calibrate leaves the old file or the new one, never half of one."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    if p.suffix == ".toml":
-        raise ConfigError("--out", "must be a .json file (calibrations are written as JSON)", str(p))
-    tmp.write_text(json.dumps(data, indent=1, default=float))
-    tmp.replace(p)
-    return p
+    from dflash.atomic import atomic_write_text
+
+    if Path(path).suffix == ".toml":
+        raise ConfigError("--out", "must be a .json file (calibrations are written as JSON)", str(path))
+    return atomic_write_text(path, json.dumps(data, indent=1, default=float))
 
 
 def format_calibration(data: dict[str, Any]) -> str:

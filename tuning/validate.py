@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash.atomic import atomic_write_text
 from dflash.config import DflashConfig, config_to_toml, with_overrides
 from dflash.errors import ConfigError
 from dflash.records import clean_json, read_records
@@ -294,11 +295,9 @@ def write_summary(base: DflashConfig, args: ValidateArgs, rows: list[dict[str, A
     command = None
     if best is not None:
         cfg = with_overrides(base, queue_overrides(best["queue"]))
-        tmp = best_toml.with_suffix(".toml.tmp")
-        tmp.write_text(f"# Validated best of {args.selection_path} ({best['name']}), by dflash validate: "
+        atomic_write_text(best_toml, f"# Validated best of {args.selection_path} ({best['name']}), by dflash validate: "
                        f"{args.takes} takes per config.\n# Launch: dflash train --config {best_toml}\n"
                        + config_to_toml(cfg))
-        tmp.replace(best_toml)
         command = f"dflash train --config {best_toml}"
     payload = clean_json({
         "takes": args.takes, "calibration": args.calibration, "selection": args.selection_path,
@@ -307,9 +306,7 @@ def write_summary(base: DflashConfig, args: ValidateArgs, rows: list[dict[str, A
         "devices": {"target": list(base.target.devices), "drafter": list(base.drafter.devices)},
         "goals": GOALS, "configs": rows, "failed": failed, "claims": args.claims_url,
     })
-    tmp = args.out / "validation.json.tmp"
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(args.out / "validation.json")
+    atomic_write_text(args.out / "validation.json", json.dumps(payload, indent=1))
     return payload
 
 
