@@ -317,16 +317,17 @@ def format_validation(payload: dict[str, Any]) -> str:
     def num(x: Any, spec: str) -> str:
         return "n/a" if x is None else format(x, spec)
 
+    w = max([12, *(len(r["name"]) + 2 for r in payload["configs"])])
     lines = [f"validated {len(payload['configs'])} configs, {payload['takes']} takes each "
              f"(goals: {payload['goals']})",
-             f"{'config':<12}{'knobs':<26}{'tok/s meas':>16}{'pred':>8}{'err':>8}{'mix_eff meas':>18}{'pred':>7}"
+             f"{'config':<{w}}{'knobs':<26}{'tok/s meas':>16}{'pred':>8}{'err':>8}{'mix_eff meas':>18}{'pred':>7}"
              f"{'err':>8}{'rough meas':>12}{'pred':>7}{'err':>8}{'tau':>7}"]
     for r in payload["configs"]:
         m, se, p, e = r["measured"], r["measured_se"], r["predicted"], r["rel_error"]
         q = r["queue"]
         knobs = f"{q['min_ready']}/{q['max_depth']} {q['policy']}"
         lines.append(
-            f"{r['name']:<12}{knobs:<26}"
+            f"{r['name']:<{w}}{knobs:<26}"
             f"{num(m['throughput_tokens_per_s'], ',.0f'):>9} ±{num(se.get('throughput_tokens_per_s'), '.0f'):<5}"
             f"{num(p['throughput_tokens_per_s']['mean'], ',.0f'):>8}{pct(e['throughput_tokens_per_s']):>8}"
             f"{num(m['mix_efficiency'], '.3f'):>11} ±{num(se.get('mix_efficiency'), '.3f'):<5}"
