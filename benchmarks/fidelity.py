@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.stages import sh  # noqa: E402
+
 PROFILES = {
     "target-bound": (ROOT / "examples" / "cpu-smollm2.toml",
                      [{"name": "tb-fullest-10-30", "queue": {"min_ready": 10, "max_depth": 30, "policy": "fullest"}},
@@ -30,16 +32,6 @@ PROFILES = {
                        {"name": "db-fullest-20-60", "queue": {"min_ready": 20, "max_depth": 60,
                                                               "policy": "fullest"}}]),
 }
-
-
-def sh(cmd: list[str], log: Path) -> None:
-    t0 = time.perf_counter()
-    print("$ " + " ".join(cmd), flush=True)
-    with log.open("a") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-    print(f"  ({time.perf_counter() - t0:.0f} s, rc {rc}; log {log})", flush=True)
-    if rc != 0:
-        sys.exit(f"failed: {' '.join(cmd)}")
 
 
 def run_profile(name: str, out: Path, takes: int, cal_steps: int) -> dict:

@@ -13,25 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.stages import sh  # noqa: E402
 from dflash.config import config_to_toml, load_config, with_overrides  # noqa: E402
-
-
-def sh(cmd: list[str], log: Path) -> None:
-    t0 = time.perf_counter()
-    print("$ " + " ".join(cmd), flush=True)
-    with log.open("a") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-    print(f"  ({time.perf_counter() - t0:.0f} s, rc {rc})", flush=True)
-    if rc != 0:
-        sys.exit(f"failed: {' '.join(cmd)} (log {log})")
 
 
 def main() -> None:
