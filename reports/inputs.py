@@ -195,15 +195,20 @@ def _read_calibration(path: Path, strict: bool) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------------------- loaders
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object; anything else is the INPUT error naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError("INPUT", f"{path.name} must be readable JSON ({exc})", str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("INPUT", f"{path.name} must hold a JSON object", str(path))
+    return data
+
+
 def load_sweep(path: Path) -> SweepInput:
     """selection.json (required, readable), trials.parquet and the study's constraints (optional)."""
-    sel_path = path / "selection.json"
-    try:
-        selection = json.loads(sel_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError("INPUT", f"selection.json must be readable JSON ({exc})", str(sel_path)) from None
-    if not isinstance(selection, dict):
-        raise ConfigError("INPUT", "selection.json must hold a JSON object", str(sel_path))
+    selection = _json_object(path / "selection.json")
     sweep = SweepInput(path, selection)
     parquet = path / "trials.parquet"
     if parquet.is_file():
@@ -257,13 +262,7 @@ def _study_feasibility(path: Path, selection: dict[str, Any]) -> tuple[dict[int,
 
 
 def load_validation(path: Path) -> ValidationInput:
-    vpath = path / "validation.json"
-    try:
-        data = json.loads(vpath.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError("INPUT", f"validation.json must be readable JSON ({exc})", str(vpath)) from None
-    if not isinstance(data, dict):
-        raise ConfigError("INPUT", "validation.json must hold a JSON object", str(vpath))
+    data = _json_object(path / "validation.json")
     val = ValidationInput(path, data)
     base = data.get("base_config") if isinstance(data.get("base_config"), dict) else None
     for i, raw in enumerate(data.get("configs") or []):

@@ -9,6 +9,7 @@ tables (``fit``: errors per role; ``runs``: what was fitted) are for people and 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import sys
 import time
@@ -150,7 +151,7 @@ def format_calibration(data: dict[str, Any]) -> str:
     loss = fit.get("loss")
     if loss and "r2" in loss:
         lm = data["loss_model"]
-        rel = ", ".join(f"{100 * (2.718281828 ** b - 1):+.0f}%" for b in lm["bucket_log_mean"])
+        rel = ", ".join(f"{100 * math.expm1(b):+.0f}%" for b in lm["bucket_log_mean"])
         sd = ", ".join(f"{s:.3f}" for s in lm["bucket_log_sd"])
         lines.append(f"loss model ({loss['steps']} steps, R^2 {loss['r2']:.2f}): bucket effects {rel}; "
                      f"log-loss noise sd {sd}; lag-1 autocorr {lm['autocorr']:.2f}; loss_roughness measured "

@@ -212,12 +212,13 @@ def fit_timing(obs: Observations, base: TimingConfig, n_buckets: int, seed: int 
     rng = random.Random(seed)
     target = fit_target(obs.target, n_buckets, rng)
     drafter, rf = fit_drafter(obs.drafter, base, n_buckets, rng)
-    burst = fit_burst(obs.target, _ratios_in_time_order(obs.target, target))
+    ratios = _ratios_in_time_order(obs.target, target)  # all of them: the fit kept a sample
+    burst = fit_burst(obs.target, ratios)
     target_samples = list(target.samples)
     if burst["detected"]:
         w = 2 * math.pi / burst["period_s"]
         target_samples = [s / (1 + burst["amplitude"] * math.sin(w * o.t_start))
-                          for s, o in zip(_ratios_in_time_order(obs.target, target), obs.target, strict=True)]
+                          for s, o in zip(ratios, obs.target, strict=True)]
         if len(target_samples) > MAX_SAMPLES:
             target_samples = rng.sample(target_samples, MAX_SAMPLES)
     timing: dict[str, Any] = {

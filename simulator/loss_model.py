@@ -155,25 +155,17 @@ def predict_loss_roughness(makeup: Sequence[StepMakeup], model: LossModelConfig,
     return out
 
 
-def makeup_from_takes(takes: Sequence[dict[str, object]], bucket_of_item: dict[str, int] | None = None,
-                      tokens_of_item: dict[str, float] | None = None, losses: dict[int, float | None] | None = None
+def makeup_from_takes(takes: Sequence[dict[str, object]], losses: dict[int, float | None] | None = None
                       ) -> list[StepMakeup]:
-    """Steps from take records (several takes per step with synchronised drafters).
-
-    A take's tokens are split over its items by ``tokens_of_item`` when given (items of one take
-    share a bucket under every policy, so the take's own ``bucket`` is the usual case).
-    """
+    """Steps from take records (several takes per step with synchronised drafters); a take's tokens
+    all count for its own ``bucket``, since every policy takes one take's items from one bucket."""
     by_step: dict[int, dict[int, float]] = {}
     for r in takes:
         step = int(r["step"])  # type: ignore[arg-type]
         acc = by_step.setdefault(step, {})
         ids = list(r.get("item_ids") or [])  # type: ignore[call-overload]
-        if bucket_of_item is not None and tokens_of_item is not None and ids:
-            for i in ids:
-                acc[bucket_of_item[i]] = acc.get(bucket_of_item[i], 0.0) + tokens_of_item[i]
-        else:
-            b = int(r["bucket"])  # type: ignore[arg-type]
-            acc[b] = acc.get(b, 0.0) + float(r.get("tokens") or max(len(ids), 1))  # type: ignore[arg-type]
+        b = int(r["bucket"])  # type: ignore[arg-type]
+        acc[b] = acc.get(b, 0.0) + float(r.get("tokens") or max(len(ids), 1))  # type: ignore[arg-type]
     out = []
     for step in sorted(by_step):
         acc = by_step[step]

@@ -12,6 +12,7 @@ can write the comparison and ``best.toml``. Rows are namespaced by the validatio
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from collections.abc import Sequence
@@ -37,8 +38,6 @@ TABLE = sa.Table(
 
 
 def worker_id() -> str:
-    import os
-
     return f"{socket.gethostname()}:{os.getpid()}"
 
 

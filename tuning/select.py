@@ -84,6 +84,13 @@ def select_top_k(study: optuna.Study, k: int) -> list[optuna.trial.FrozenTrial]:
     return chosen
 
 
+def tuned_entries(top: list[optuna.trial.FrozenTrial]) -> list[dict[str, Any]]:
+    """``tuned-1..k`` selection entries: the trial and the full queue it ran (its ``queue_*`` attrs)."""
+    return [{"name": f"tuned-{rank}", "trial": t.number, "params": t.params,
+             "queue": {k.removeprefix("queue_"): v for k, v in t.user_attrs.items() if k.startswith("queue_")}}
+            for rank, t in enumerate(top, 1)]
+
+
 def importances(study: optuna.Study, objective_names: list[str]) -> dict[str, dict[str, float]]:
     """PED-ANOVA importance of each knob for each objective.
 

@@ -22,7 +22,16 @@ from dflash.config import DflashConfig
 from dflash.errors import ConfigError
 from dflash.records import clean_json
 from tuning.evaluate import ATTR_METRICS, OBJECTIVES, Evaluator, constraint_values
-from tuning.select import NAMED, complete_trials, feasible_front, importances, knee_order, select_top_k, write_selection
+from tuning.select import (
+    NAMED,
+    complete_trials,
+    feasible_front,
+    importances,
+    knee_order,
+    select_top_k,
+    tuned_entries,
+    write_selection,
+)
 from tuning.space import SearchSpace, effective_queue, parse_space
 from tuning.study import (
     counts,
@@ -200,11 +209,7 @@ def finish(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: E
     front = feasible_front(trials)
     top = select_top_k(study, cfg.sweep.top_k)
     named = {name: evaluator.evaluate(effective_queue(cfg.queue, params)) for name, params in NAMED.items()}
-    configs = []
-    for rank, t in enumerate(top, 1):
-        queue = {k.removeprefix("queue_"): v for k, v in t.user_attrs.items() if k.startswith("queue_")}
-        configs.append({"name": f"tuned-{rank}", "trial": t.number, "params": t.params, "queue": queue,
-                        "predicted": _predicted(t)})
+    configs = [{**entry, "predicted": _predicted(t)} for entry, t in zip(tuned_entries(top), top, strict=True)]
     for name, ev in named.items():
         configs.append({"name": name, "trial": None, "params": NAMED[name], "queue": ev.queue,
                         "predicted": {k: {"mean": ev.mean[k], "se": ev.se[k]} for k in ATTR_METRICS}})

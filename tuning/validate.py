@@ -75,17 +75,14 @@ def selection_from_study(study_name: str, storage: str, cfg: DflashConfig) -> di
     """Top-k of a stored study plus the named configs, like the sweep's own selection.json."""
     import optuna
 
-    from tuning.select import NAMED, select_top_k
+    from tuning.select import NAMED, select_top_k, tuned_entries
     from tuning.space import effective_queue
 
     try:
         study = optuna.load_study(study_name=study_name, storage=_optuna_storage(storage))
     except KeyError:
         raise ConfigError("--study", f"no study of that name in {storage}", study_name) from None
-    configs = []
-    for rank, t in enumerate(select_top_k(study, cfg.sweep.top_k), 1):
-        queue = {k.removeprefix("queue_"): v for k, v in t.user_attrs.items() if k.startswith("queue_")}
-        configs.append({"name": f"tuned-{rank}", "trial": t.number, "params": t.params, "queue": queue})
+    configs = tuned_entries(select_top_k(study, cfg.sweep.top_k))
     for name, params in NAMED.items():
         configs.append({"name": name, "trial": None, "params": params,
                         "queue": dict(effective_queue(cfg.queue, params).__dict__)})
