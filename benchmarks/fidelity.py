@@ -61,7 +61,7 @@ def run_profile(name: str, out: Path, takes: int, cal_steps: int) -> dict:
 def repredict(name: str, out: Path) -> dict:
     """Refit the calibration from the same calibration run with the current code and predict the
     validated configs again; the real runs are reused. The earlier files are kept as ``*.v1.json``."""
-    from dflash.config import load_config
+    from dflash.core.config import load_config
     from simulator.calibration import apply_calibration, calibrate, write_calibration
     from tuning.validate import predict, rel_errors, within_goals
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import QueueConfig, load_config, with_overrides
-from dflash.trainer import Trainer
+from dflash.core.config import QueueConfig, load_config, with_overrides
+from dflash.pipeline.trainer import Trainer
 
 PROFILE = Path(__file__).resolve().parent.parent / "dflash" / "profiles" / "cpu-smollm2.toml"
 

@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from dflash.config import QueueConfig
-from dflash.hsqueue import HSQueue
-from dflash.queue_core import QueueItem
+from dflash.core.config import QueueConfig
+from dflash.core.queue_core import QueueItem
+from dflash.pipeline.hsqueue import HSQueue
 
 N_BUCKETS = 5
 

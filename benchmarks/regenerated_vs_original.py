@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.stages import sh  # noqa: E402
-from dflash.config import config_to_toml, load_config, with_overrides  # noqa: E402
+from dflash.core.config import config_to_toml, load_config, with_overrides  # noqa: E402
 
 
 def main() -> None:
@@ -51,10 +51,10 @@ def main() -> None:
             sh(["dflash", "train", "--config", str(out / f"{name}.toml"), "--out", str(run), "--wandb", "disabled"],
                log)
 
-    from dflash.acceptance import evaluate_acceptance, heldout_prompts
     from dflash.cli import load_run_config, trained_conversation_ids
-    from dflash.drafter import DFlashDrafter
-    from dflash.target import load_target
+    from dflash.model.acceptance import evaluate_acceptance, heldout_prompts
+    from dflash.model.drafter import DFlashDrafter
+    from dflash.model.target import load_target
 
     used: set[str] = set()
     for name in runs:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import simpy
 
-from dflash.config import load_config
+from dflash.core.config import load_config
 from simulator.run import simulate
 from simulator.workload import make_sampler
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash.config import load_config, with_overrides
+from dflash.core.config import load_config, with_overrides
 from tuning.sweep import SweepArgs, run_sweep
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "h200-8b-drafter-bound.toml"

@@ -3,7 +3,7 @@
 Every invocation goes the same way (:func:`validate`): argparse reads the words (converters only
 parse), the verb's pure flags (those that are not config keys: paths, counts) are checked, the
 config file is loaded and the key flags applied on top of it with one
-:func:`dflash.config.with_overrides` call, and only then does the verb's handler run with the
+:func:`dflash.core.config.with_overrides` call, and only then does the verb's handler run with the
 validated, frozen config. Any bad input on that path is one line on stderr,
 
     dflash <verb>: error: <key> (<flag>): <allowed> (got <value>)
@@ -13,9 +13,9 @@ status 2, before anything is written.
 
 Plugging a verb in: replace its entry in :data:`HANDLERS` with a function
 ``handler(args: argparse.Namespace, cfg: DflashConfig) -> int`` that imports what it needs
-inside its body (at its top this module imports only the torch-free ``dflash.config`` and
-``dflash.errors``, so ``dflash --help`` and validation stay fast and torch-free). A handler may
-raise :class:`~dflash.errors.ConfigError` for inputs it validates itself (before writing
+inside its body (at its top this module imports only the torch-free ``dflash.core.config`` and
+``dflash.core.errors``, so ``dflash --help`` and validation stay fast and torch-free). A handler may
+raise :class:`~dflash.core.errors.ConfigError` for inputs it validates itself (before writing
 anything); it is reported the same way.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dflash import __version__
-from dflash.config import (
+from dflash.core.config import (
     FLAG_FOR_KEY,
     GATES,
     POLICIES,
@@ -41,7 +41,7 @@ from dflash.config import (
     load_config,
     with_overrides,
 )
-from dflash.errors import ConfigError, NotBuiltYet
+from dflash.core.errors import ConfigError, NotBuiltYet
 
 PROG = "dflash"
 WANDB_MODES = ("offline", "online", "disabled")
@@ -217,8 +217,8 @@ class NotBuilt:
 
 def _lengths(args: argparse.Namespace, cfg: DflashConfig) -> int:
     """Tokenise (or read the cache of) the configured data set; print its size and bucket shares."""
-    from dflash.lengths import cached_lengths
-    from dflash.sampler import bucket_of
+    from dflash.core.sampler import bucket_of
+    from dflash.data.lengths import cached_lengths
 
     w = cfg.workload
     table = cached_lengths(w, model=cfg.target.model)
@@ -235,7 +235,7 @@ def _lengths(args: argparse.Namespace, cfg: DflashConfig) -> int:
         share = 100.0 * c / total if total else 0.0
         print(f"  ({lo}, {hi}]".ljust(16) + f"{share:6.1f}%  {c}")
         lo = hi
-    from dflash.sampler import Sampler
+    from dflash.core.sampler import Sampler
 
     sampler = Sampler(table.lengths, w, seed=cfg.seed)
     mix = " / ".join(f"{100 * m:.1f}" for m in sampler.item_mix())
@@ -330,7 +330,7 @@ def _demo(args: argparse.Namespace, cfg: DflashConfig) -> int:
             import shutil
 
             shutil.rmtree(cal_run)
-        from dflash.trainer import Trainer
+        from dflash.pipeline.trainer import Trainer
 
         Trainer(with_overrides(cfg, {"train.max_steps": cal_steps}), cal_run, wandb_mode="disabled").run()
     stage(3, "calibrate the simulator")
@@ -406,7 +406,7 @@ def _train(args: argparse.Namespace, cfg: DflashConfig) -> int:
         out = Path(args.out) if args.out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
         if out.exists() and any(out.iterdir()):
             raise ConfigError("--out", "must be a new or empty directory (use --resume to continue a run)", str(out))
-    from dflash.trainer import Trainer
+    from dflash.pipeline.trainer import Trainer
 
     res = Trainer(cfg, out, resume=bool(args.resume), wandb_mode=args.wandb).run()
     s, m = res.summary, res.metrics
@@ -421,7 +421,7 @@ def _train(args: argparse.Namespace, cfg: DflashConfig) -> int:
 
 def _tune_live(args: argparse.Namespace, cfg: DflashConfig) -> int:
     """Write a validated queue change into a running trainer's control file (applied between takes)."""
-    from dflash.checkpoint import read_control, write_control
+    from dflash.pipeline.checkpoint import read_control, write_control
 
     run = Path(args.run_dir)
     base = load_run_config(run)
@@ -445,7 +445,7 @@ def load_run_config(run: Path) -> DflashConfig:
     """The config a `dflash train` run stored in its directory."""
     import json
 
-    from dflash.config import config_from_dict
+    from dflash.core.config import config_from_dict
 
     path = run / "config.json"
     if not path.is_file():
@@ -458,10 +458,10 @@ def _eval(args: argparse.Namespace, cfg: DflashConfig) -> int:
     """Acceptance length tau of a drafter: real speculative decoding, verified greedily by the target."""
     import json
 
-    from dflash.acceptance import evaluate_acceptance, heldout_prompts
-    from dflash.drafter import CONFIG_FILE, DFlashDrafter
-    from dflash.records import clean_json
-    from dflash.target import load_target
+    from dflash.core.records import clean_json
+    from dflash.model.acceptance import evaluate_acceptance, heldout_prompts
+    from dflash.model.drafter import CONFIG_FILE, DFlashDrafter
+    from dflash.model.target import load_target
 
     drafter_dir = Path(args.drafter)
     run_dir = drafter_dir if (drafter_dir / "drafter").is_dir() else drafter_dir.parent
@@ -489,13 +489,13 @@ def _eval(args: argparse.Namespace, cfg: DflashConfig) -> int:
 
 def trained_conversation_ids(run_dir: Path, cfg: DflashConfig) -> set[str]:
     """Conversation ids of every item a run's take records show (to keep evaluation held out)."""
-    from dflash.records import read_records
+    from dflash.core.records import read_records
 
     item_ids = [i for r in read_records(run_dir, "take") for i in r["item_ids"]]
     if not item_ids:
         return set()
-    from dflash.lengths import cached_lengths
-    from dflash.sampler import Sampler
+    from dflash.core.sampler import Sampler
+    from dflash.data.lengths import cached_lengths
 
     table = cached_lengths(cfg.workload, model=cfg.target.model, progress=False)
     sampler = Sampler(table.lengths, cfg.workload, seed=cfg.seed)

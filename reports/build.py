@@ -1,7 +1,7 @@
 """``dflash report INPUT ... --out DIR``: one self-contained HTML report and its Markdown twin.
 
 Order of work, so that a failure never leaves half a report: recognise and load every input
-(bad input is a :class:`~dflash.errors.ConfigError`, before anything is written), build every
+(bad input is a :class:`~dflash.core.errors.ConfigError`, before anything is written), build every
 section and figure in memory, and only then write ``figures/*.png``, ``report.md`` and
 ``report.html``, each to a temporary name first and renamed into place.
 
@@ -16,7 +16,7 @@ import argparse
 import os
 from pathlib import Path
 
-from dflash.config import DflashConfig
+from dflash.core.config import DflashConfig
 from reports import meta, recommend, run_sections, sweep_sections
 from reports.document import Section, figures, render_html, render_markdown
 from reports.inputs import Inputs, find_inputs

@@ -16,7 +16,7 @@ directory's runs belong to the validation). The kinds:
   ``config.json`` has ``workload``/``queue`` tables too).
 
 An INPUT that is none of these, or a sweep/validation file that is not readable JSON/Parquet,
-raises :class:`~dflash.errors.ConfigError` before anything is written. Missing *keys* inside a
+raises :class:`~dflash.core.errors.ConfigError` before anything is written. Missing *keys* inside a
 readable file never raise: the report shows "not available" for what depends on them.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import pandas as pd
 
-from dflash.errors import ConfigError
+from dflash.core.errors import ConfigError
 from reports.runs import RunData, is_run_dir, load_run
 
 MAX_DEPTH = 3

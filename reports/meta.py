@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 
 import dflash
-from dflash.config import DflashConfig
+from dflash.core.config import DflashConfig
 from reports.document import Section, Table, Text
 from reports.fmt import NA, ROUNDING_NOTE
 from reports.inputs import Inputs

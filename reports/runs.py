@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.mixmetrics import window_counts
-from dflash.records import read_records
+from dflash.core.mixmetrics import window_counts
+from dflash.core.records import read_records
 
 RECORD_FILES = ("take.jsonl", "produce.jsonl", "step.jsonl", "summary.jsonl")
 NAMED_QUEUES = {"baseline": (10, 30), "handpicked": (30, 90)}  # DESIGN.md's two reference configs

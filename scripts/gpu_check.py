@@ -24,12 +24,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.config import DrafterConfig, QueueConfig
-from dflash.drafter import DFlashDrafter, DrafterSpec
-from dflash.hsqueue import HSQueue
-from dflash.queue_core import QueueItem
-from dflash.sampler import bucket_of
-from dflash.target import HiddenStateCapture, capture_layer_ids
+from dflash.core.config import DrafterConfig, QueueConfig
+from dflash.core.queue_core import QueueItem
+from dflash.core.sampler import bucket_of
+from dflash.model.drafter import DFlashDrafter, DrafterSpec
+from dflash.model.target import HiddenStateCapture, capture_layer_ids
+from dflash.pipeline.hsqueue import HSQueue
 
 ARCHS = {
     # Llama-3.2-1B-like and Llama-3-8B-like shapes (random weights)

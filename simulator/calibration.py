@@ -1,7 +1,7 @@
 """Calibration files: fitted by ``dflash calibrate``, applied by ``simulate``/``sweep``/``validate``.
 
-A calibration file is JSON (or TOML) with a ``timing`` table of :class:`dflash.config.TimingConfig`
-keys and optionally a ``loss_model`` table of :class:`dflash.config.LossModelConfig` keys; the
+A calibration file is JSON (or TOML) with a ``timing`` table of :class:`dflash.core.config.TimingConfig`
+keys and optionally a ``loss_model`` table of :class:`dflash.core.config.LossModelConfig` keys; the
 fitted values replace the configured ones and are validated like any other config value. The other
 tables (``fit``: errors per role; ``runs``: what was fitted) are for people and reports.
 """
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash.config import DflashConfig, with_overrides
-from dflash.errors import ConfigError
+from dflash.core.config import DflashConfig, with_overrides
+from dflash.core.errors import ConfigError
 
 APPLIED_TABLES = ("timing", "loss_model")
 
@@ -122,7 +122,7 @@ def _check_compatible(inputs: Sequence[Any]) -> None:
 
 def write_calibration(data: dict[str, Any], path: str | Path) -> Path:
     """Atomically: a killed calibrate leaves the old file or the new one, never half of one."""
-    from dflash.atomic import atomic_write_text
+    from dflash.core.atomic import atomic_write_text
 
     if Path(path).suffix == ".toml":
         raise ConfigError("--out", "must be a .json file (calibrations are written as JSON)", str(path))

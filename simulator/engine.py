@@ -2,7 +2,7 @@
 
 :class:`SimHSQueue` is a SimPy resource in the way SimPy's own stores are: it overrides
 ``_do_put``/``_do_get`` (and the triggers that call them), and delegates every decision, cap, gate,
-policy, oldest-first, to :class:`dflash.queue_core.QueueCore`, the object the threaded trainer queue
+policy, oldest-first, to :class:`dflash.core.queue_core.QueueCore`, the object the threaded trainer queue
 wraps. Only compute time is simulated.
 
 Same-instant order (DESIGN.md): puts before takes; among producers and among drafters, by worker
@@ -25,7 +25,7 @@ from simpy.core import BoundClass
 from simpy.events import Event
 from simpy.resources.base import BaseResource, Get, Put
 
-from dflash.queue_core import QueueCore, QueueItem
+from dflash.core.queue_core import QueueCore, QueueItem
 
 PUT_PRIORITY = 2  # SimPy's own priorities are 0 (urgent) and 1 (normal)
 TAKE_PRIORITY = 3

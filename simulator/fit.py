@@ -29,7 +29,7 @@ import numpy as np
 from scipy.optimize import nnls
 from scipy.stats import f as f_dist
 
-from dflash.config import DrafterConfig, TimingConfig
+from dflash.core.config import DrafterConfig, TimingConfig
 from simulator.timing import anchors_for
 
 MIN_OBSERVATIONS = 20  # per role, across all runs: fewer cannot separate the terms from the noise

@@ -5,7 +5,7 @@ times a factor that depends on *what* the step trained on (short chats and long 
 have the same loss) times noise. The queue decides only the second factor's order. Fit the trend,
 the per-bucket factor and the noise once (:func:`fit_loss_model`), and any take order, real or
 simulated, gives a predicted loss series whose roughness is computed by the trainer's own
-:func:`dflash.runmetrics.loss_roughness` (:func:`predict_loss_roughness`).
+:func:`dflash.core.runmetrics.loss_roughness` (:func:`predict_loss_roughness`).
 
 The fit is ordinary least squares on ``log loss``: the trend is a cubic in ``log(step + 1)``, the
 bucket effects enter through each step's token shares (so multi-item steps need no special case),
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash.config import LossModelConfig
-from dflash.runmetrics import loss_roughness
+from dflash.core.config import LossModelConfig
+from dflash.core.runmetrics import loss_roughness
 
 TREND_DEGREE = 3
 MIN_STEPS = 30  # below this the trend and five bucket effects are not separable

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.config import DflashConfig, config_from_dict
-from dflash.errors import ConfigError
-from dflash.records import read_records
+from dflash.core.config import DflashConfig, config_from_dict
+from dflash.core.errors import ConfigError
+from dflash.core.records import read_records
 from simulator.fit import DrafterObs, Observations, TargetObs
 from simulator.loss_model import StepMakeup, makeup_from_takes
 
@@ -100,8 +100,8 @@ def _from_run(p: Path, index: int) -> RunData:
                                             int(r["padded_len"]), int(r["bucket"]), r.get("bytes")))
     sampler = None
     if cfg is not None:
-        from dflash.lengths import cached_lengths
-        from dflash.sampler import Sampler
+        from dflash.core.sampler import Sampler
+        from dflash.data.lengths import cached_lengths
 
         table = cached_lengths(cfg.workload, model=cfg.target.model, progress=False)
         sampler = Sampler(table.lengths, cfg.workload, seed=cfg.seed, prompt_lengths=table.prompt_lengths or None)

@@ -4,7 +4,7 @@ Producers draw items from the trainer's sampler, "compute" them for the target t
 put them (blocking after service at the cap). Drafters take through the policy and "train" for the
 drafter time model; synchronised drafters wait for the slowest at the end of every step. Both write
 DESIGN.md's records (in memory; to disk with ``records_dir``), and metrics come from those records
-through :func:`dflash.runmetrics.run_metrics`, the function the trainer's records go through too.
+through :func:`dflash.core.runmetrics.run_metrics`, the function the trainer's records go through too.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 import simpy
 
-from dflash.config import DflashConfig
-from dflash.queue_core import QueueCore, QueueItem
-from dflash.records import SCHEMA_VERSION, RecordWriter
-from dflash.runmetrics import RunTrace, run_metrics
-from dflash.sampler import Sampler
+from dflash.core.config import DflashConfig
+from dflash.core.queue_core import QueueCore, QueueItem
+from dflash.core.records import SCHEMA_VERSION, RecordWriter
+from dflash.core.runmetrics import RunTrace, run_metrics
+from dflash.core.sampler import Sampler
 from simulator.engine import QueueGet, SimHSQueue, TakeRequest, item_stream
 from simulator.timing import DrafterTime, TargetTime, anchors_for
 
@@ -70,7 +70,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
                    for k, n in enumerate(sampler.lengths)]
 
     trace = RunTrace()
-    produce_rows, take_rows = trace.produce_rows, trace.take_rows  # field orders: dflash.runmetrics
+    produce_rows, take_rows = trace.produce_rows, trace.take_rows  # field orders: dflash.core.runmetrics
     item_shape: dict[str, tuple[int, int, int]] = {}  # id -> (real_tokens, n_seqs, anchors)
     held: dict[int, list[QueueItem]] = {}  # drafter -> items in its current step
     blocked: dict[int, QueueItem] = {}  # producer -> item held at the cap

@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflash.config import DrafterConfig, TimingConfig
+from dflash.core.config import DrafterConfig, TimingConfig
 
 
 class Noise:

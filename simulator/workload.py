@@ -2,7 +2,7 @@
 
 Three sources (``[workload] lengths``): the configured data set's cached token lengths (needs the
 tokenizer once, never again), a lengths or histogram file, or a lognormal distribution. Whatever
-the source, items come from :class:`dflash.sampler.Sampler`, the same code the trainer uses.
+the source, items come from :class:`dflash.core.sampler.Sampler`, the same code the trainer uses.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import math
 import random
 from pathlib import Path
 
-from dflash.config import WorkloadConfig
-from dflash.errors import ConfigError
-from dflash.sampler import Sampler
+from dflash.core.config import WorkloadConfig
+from dflash.core.errors import ConfigError
+from dflash.core.sampler import Sampler
 
 
 def _from_histogram(bins: list, seed: int, n: int) -> list[int]:
@@ -37,7 +37,7 @@ def load_lengths(workload: WorkloadConfig, model: str = "smollm2", seed: int = 0
     """Untruncated sequence lengths from the configured source."""
     src = workload.lengths
     if src == "dataset":
-        from dflash.lengths import cached_lengths
+        from dflash.data.lengths import cached_lengths
 
         return list(cached_lengths(workload, model=model).lengths)
     if src == "lognormal":
@@ -52,7 +52,7 @@ def load_lengths(workload: WorkloadConfig, model: str = "smollm2", seed: int = 0
                           src) from None
     if isinstance(data, dict) and "bins" in data:
         return _from_histogram(data["bins"], seed, workload.n_sequences)
-    from dflash.lengths import load_lengths_file
+    from dflash.data.lengths import load_lengths_file
 
     return list(load_lengths_file(path).lengths)
 
@@ -61,7 +61,7 @@ def load_lengths_and_prompts(workload: WorkloadConfig, model: str = "smollm2", s
                              ) -> tuple[list[int], list[int] | None]:
     """Lengths plus, for the data set, where each sequence's response starts (anchor counts)."""
     if workload.lengths == "dataset":
-        from dflash.lengths import cached_lengths
+        from dflash.data.lengths import cached_lengths
 
         table = cached_lengths(workload, model=model)
         return list(table.lengths), list(table.prompt_lengths) or None

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from dflash.config import QueueConfig
-from dflash.policies import POLICY_CLASSES
-from dflash.queue_core import QueueItem
+from dflash.core.config import QueueConfig
+from dflash.core.policies import POLICY_CLASSES
+from dflash.core.queue_core import QueueItem
 
 ALL_POLICIES = sorted(POLICY_CLASSES)
 

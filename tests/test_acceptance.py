@@ -15,7 +15,9 @@ import math
 import pytest
 import torch
 
-from dflash.acceptance import (
+from dflash.core.config import DrafterConfig
+from dflash.data.conversations import Conversation
+from dflash.model.acceptance import (
     SpecResult,
     default_eos_ids,
     evaluate_acceptance,
@@ -25,10 +27,8 @@ from dflash.acceptance import (
     select_heldout,
     speculative_generate,
 )
-from dflash.config import DrafterConfig
-from dflash.data import Conversation
-from dflash.drafter import DFlashDrafter, DrafterSpec
-from dflash.target import HiddenStateCapture, LoadedTarget
+from dflash.model.drafter import DFlashDrafter, DrafterSpec
+from dflash.model.target import HiddenStateCapture, LoadedTarget
 from tests.tiny_models import tiny_llama
 
 VOCAB = 512
@@ -292,7 +292,7 @@ def test_evaluate_uses_the_targets_eos_by_default(target):
 # --------------------------------------------------------------------------- held-out prompts
 @pytest.fixture(scope="module")
 def smol_tok():
-    from dflash.lengths import load_tokenizer
+    from dflash.data.lengths import load_tokenizer
 
     return load_tokenizer("smollm2")
 
@@ -324,7 +324,7 @@ def test_heldout_prompts_are_deterministic_skip_ids_and_fit(tmp_path, smol_tok):
         assert x.tolist()[-len(gen):] == gen  # ends with the generation prompt
         assert "<|im_start|>user\n" in smol_tok.decode(x)
 
-    from dflash.data import load_conversations
+    from dflash.data.conversations import load_conversations
 
     convs, _ = load_conversations(data, "first_exchange")
     assert len(convs) == 14  # gpt-first is skipped by the sample rule
@@ -355,8 +355,8 @@ def test_heldout_prompts_are_deterministic_skip_ids_and_fit(tmp_path, smol_tok):
 # --------------------------------------------------------------------------- the real target
 @pytest.mark.slow
 def test_smollm2_untrained_drafter_is_lossless_and_tau_near_one(smol_tok):
-    from dflash.drafter import default_mask_token_id
-    from dflash.target import capture_layer_ids, load_target
+    from dflash.model.drafter import default_mask_token_id
+    from dflash.model.target import capture_layer_ids, load_target
 
     lt = load_target("smollm2", dtype=torch.float64)  # float64: no near-tie can flip
     spec = DrafterSpec.from_target_config(lt.config, target_layer_ids=capture_layer_ids(lt.num_layers, 5),

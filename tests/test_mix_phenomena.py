@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from dflash.config import WorkloadConfig
-from dflash.mixmetrics import expected_window_entropy, mix_metrics
-from dflash.queue_core import QueueCore, QueueItem
-from dflash.sampler import Sampler
+from dflash.core.config import WorkloadConfig
+from dflash.core.mixmetrics import expected_window_entropy, mix_metrics
+from dflash.core.queue_core import QueueCore, QueueItem
+from dflash.core.sampler import Sampler
 from tests.conftest import SHAREGPT_BOUNDS, qcfg, synthetic_lengths
 
 W = 32

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dflash.mixmetrics import (
+from dflash.core.mixmetrics import (
     entropy,
     expected_window_entropy,
     kl_to_mix,
@@ -63,7 +63,7 @@ def test_one_bucket_streams_score_zero_efficiency() -> None:
 
 
 def test_loss_roughness_is_the_std_of_first_differences_over_the_mean_on_the_stated_span() -> None:
-    from dflash.runmetrics import loss_roughness
+    from dflash.core.runmetrics import loss_roughness
 
     smooth = loss_roughness([4.0, 3.9, 3.8, 3.7, 3.6])
     saw = loss_roughness([4.0, 3.0, 4.0, 3.0, 4.0])

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash.policies import POLICY_CLASSES, make_policy
-from dflash.queue_core import QueueCore
+from dflash.core.policies import POLICY_CLASSES, make_policy
+from dflash.core.queue_core import QueueCore
 from tests.conftest import ALL_POLICIES, make_item, qcfg
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.queue_core import GATE_CAP, GATE_DRAIN, GATE_READY, QueueCore
+from dflash.core.queue_core import GATE_CAP, GATE_DRAIN, GATE_READY, QueueCore
 from tests.conftest import make_item, qcfg
 
 

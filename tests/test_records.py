@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.records import SCHEMA_VERSION, RecordWriter, export_parquet, read_records, truncate_after_step
+from dflash.core.records import SCHEMA_VERSION, RecordWriter, export_parquet, read_records, truncate_after_step
 
 
 def write_run(d: Path, steps: int = 4) -> None:

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.acceptance import greedy_generate, render_prompt
 from dflash.cli import main
-from dflash.data import load_conversations
+from dflash.data.conversations import load_conversations
+from dflash.model.acceptance import greedy_generate, render_prompt
 from dflash.regenerate import (
     Job,
     Progress,
@@ -56,7 +56,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def tok():
-    from dflash.lengths import load_tokenizer
+    from dflash.data.lengths import load_tokenizer
 
     return load_tokenizer("smollm2")
 
@@ -124,7 +124,7 @@ def tree(root: Path) -> dict[Path, bytes]:
 
 # --------------------------------------------------------------------------- prompts
 def test_prompt_sources_first_and_all_turns(world):
-    from dflash.data import load_conversations
+    from dflash.data.conversations import load_conversations
 
     convs, _ = load_conversations(world["data"], "conversation")
     first, bad = prompt_sources(convs, "first")
@@ -215,7 +215,7 @@ def test_sampling_follows_the_seed(world, tok):
 def test_cli_writes_sharegpt_that_dflash_reads(world, tok, tmp_path, capsys):
     """End to end on the saved model: records are the back end's replies on the same batches (data
     order, too-long prompts skipped), data.py reads the file back, and a rerun is a no-op."""
-    from dflash.target import load_target
+    from dflash.model.target import load_target
 
     out = tmp_path / "regen" / "data.jsonl"
     argv = ["regenerate", "--config", str(world["config"]), "--out", str(out), "--max-new-tokens", str(MAX_NEW),
@@ -282,7 +282,7 @@ def test_cli_writes_sharegpt_that_dflash_reads(world, tok, tmp_path, capsys):
 
 # --------------------------------------------------------------------------- kill and resume
 def test_resume_after_sigkill_has_no_duplicate_and_no_gap(world, tmp_path, capsys):
-    from dflash.target import load_target
+    from dflash.model.target import load_target
 
     n = 40
     data = tmp_path / "many.jsonl"

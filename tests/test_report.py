@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from dflash.cli import main
-from dflash.config import load_config, with_overrides
-from dflash.records import read_records
+from dflash.core.config import load_config, with_overrides
+from dflash.core.records import read_records
 from reports.fmt import fmt_metric, fmt_pm, fmt_rel, parse_md_table
 from simulator.run import simulate
 from simulator.workload import make_sampler
@@ -279,7 +279,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(kind: str, tmp_path: Pa
 def test_a_real_trainer_run_gives_loss_curves_and_its_measured_numbers(tmp_path: Path) -> None:
     """A short real run (tiny random Llama, SmolLM2 tokenizer, packaged ShareGPT) at the baseline queue, and
     `dflash calibrate`'s file fitted to it."""
-    from dflash.config import (
+    from dflash.core.config import (
         ClusterConfig,
         DflashConfig,
         DrafterConfig,
@@ -288,10 +288,10 @@ def test_a_real_trainer_run_gives_loss_curves_and_its_measured_numbers(tmp_path:
         TrainConfig,
         WorkloadConfig,
     )
-    from dflash.data import load_conversations, resolve_dataset
-    from dflash.lengths import load_tokenizer
-    from dflash.target import LoadedTarget
-    from dflash.trainer import Trainer
+    from dflash.data.conversations import load_conversations, resolve_dataset
+    from dflash.data.lengths import load_tokenizer
+    from dflash.model.target import LoadedTarget
+    from dflash.pipeline.trainer import Trainer
     from tests.tiny_models import tiny_llama
 
     tok = load_tokenizer("smollm2")

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash.checkpoint import ItemFeed, write_control
 from dflash.cli import main
-from dflash.config import load_config
-from dflash.lengths import load_tokenizer
-from dflash.records import read_records
-from dflash.sampler import Sampler
-from dflash.trainer import Trainer
+from dflash.core.config import load_config
+from dflash.core.records import read_records
+from dflash.core.sampler import Sampler
+from dflash.data.lengths import load_tokenizer
+from dflash.pipeline.checkpoint import ItemFeed, write_control
+from dflash.pipeline.trainer import Trainer
 from tests.tiny_models import tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def run_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A saved tiny Llama (with SmolLM2's tokenizer) and a small real ShareGPT slice as JSONL."""
-    from dflash.data import load_conversations, resolve_dataset
+    from dflash.data.conversations import load_conversations, resolve_dataset
 
     d = tmp_path_factory.mktemp("inputs")
     tok = load_tokenizer("smollm2")
@@ -157,7 +157,7 @@ def test_tune_live_validates_like_any_config(tmp_path: Path, run_inputs, capsys:
 
 
 def test_item_feed_replays_pending_items_first_then_continues() -> None:
-    from dflash.config import WorkloadConfig
+    from dflash.core.config import WorkloadConfig
 
     s = Sampler([10, 20, 30, 40, 50, 60, 70, 80], WorkloadConfig(max_len=128, bucket_bounds=(32, 64, 128),
                                                               seqs_per_item=1), seed=0)

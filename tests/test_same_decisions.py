@@ -2,7 +2,7 @@
 
 Both are fed one arrival trace with deterministic timing: per producer, a list of (compute
 seconds, item); per drafter, a list of compute seconds per take. The threaded side runs the real
-:class:`dflash.hsqueue.HSQueue` under a fake clock, with a real thread for each producer blocked
+:class:`dflash.pipeline.hsqueue.HSQueue` under a fake clock, with a real thread for each producer blocked
 at the cap, driven in DESIGN.md's same-instant order (puts before takes; producers and drafters
 by index). The SimPy side runs :class:`simulator.engine.SimHSQueue` with ordinary SimPy processes.
 The take logs (drafter, bucket, item ids, in order) must be identical for every policy and both
@@ -19,9 +19,9 @@ import time
 import pytest
 import simpy
 
-from dflash.config import QueueConfig
-from dflash.hsqueue import HSQueue, QueueTimeout
-from dflash.queue_core import QueueCore, QueueItem
+from dflash.core.config import QueueConfig
+from dflash.core.queue_core import QueueCore, QueueItem
+from dflash.pipeline.hsqueue import HSQueue, QueueTimeout
 from simulator.engine import SimHSQueue
 from tests.conftest import ALL_POLICIES
 

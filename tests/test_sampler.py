@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.config import WorkloadConfig
-from dflash.sampler import Sampler, bucket_of, parse_item_id
+from dflash.core.config import WorkloadConfig
+from dflash.core.sampler import Sampler, bucket_of, parse_item_id
 from tests.conftest import SHAREGPT_BOUNDS, synthetic_lengths
 
 LENGTHS = synthetic_lengths(3000, seed=4)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from dflash.cli import main
-from dflash.config import DflashConfig, TimingConfig, WorkloadConfig, load_config, with_overrides
-from dflash.records import read_records
-from dflash.runmetrics import RunTrace, run_metrics
+from dflash.core.config import DflashConfig, TimingConfig, WorkloadConfig, load_config, with_overrides
+from dflash.core.records import read_records
+from dflash.core.runmetrics import RunTrace, run_metrics
 from simulator.run import simulate
 from simulator.timing import Noise
 from simulator.workload import load_lengths, make_sampler
@@ -177,7 +177,7 @@ def test_histogram_and_lengths_files_feed_the_same_sampler(tmp_path: Path) -> No
 
 
 def test_timing_config_rejects_an_empirical_model_without_samples() -> None:
-    from dflash.errors import ConfigError
+    from dflash.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"timing\.target_samples"):
         TimingConfig(target_noise="empirical")

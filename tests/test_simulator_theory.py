@@ -2,7 +2,7 @@
 
 Every test builds the simplest workload (one bucket, every item identical) with exponential target
 and drafter times, so DESIGN.md's pipeline is a continuous-time Markov chain, and compares the
-simulator's own metrics (``dflash.runmetrics.run_metrics`` over its records) with exact values:
+simulator's own metrics (``dflash.core.runmetrics.run_metrics`` over its records) with exact values:
 
 1. M/M/1/K (DESIGN.md "Theory mapping": min_ready 1, one item per take, one producer, one drafter,
    K = max_depth + 2), closed form from REFERENCE.md.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from dflash.config import (
+from dflash.core.config import (
     ClusterConfig,
     DflashConfig,
     MetricsConfig,
@@ -42,7 +42,7 @@ from dflash.config import (
     TimingConfig,
     WorkloadConfig,
 )
-from dflash.sampler import Sampler
+from dflash.core.sampler import Sampler
 from simulator.run import SimResult, simulate
 
 R = 16  # independent seeds per case

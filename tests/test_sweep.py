@@ -16,7 +16,7 @@ import pytest
 from optuna.trial import TrialState
 
 from dflash.cli import main
-from dflash.config import load_config
+from dflash.core.config import load_config
 from tuning.study import open_storage
 from tuning.sweep import SweepArgs, run_sweep
 

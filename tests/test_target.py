@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from dflash.data import Conversation
-from dflash.target import (
+from dflash.data.conversations import Conversation
+from dflash.model.target import (
     HiddenStateCapture,
     assistant_char_spans,
     capture_layer_ids,
@@ -20,7 +20,7 @@ from tests.tiny_models import tiny_llama
 
 @pytest.fixture(scope="module")
 def smol_tok():
-    from dflash.lengths import load_tokenizer
+    from dflash.data.lengths import load_tokenizer
 
     return load_tokenizer("smollm2")
 
@@ -149,7 +149,7 @@ def test_capture_is_confined_to_its_thread():
 
 
 def test_load_target_from_a_local_directory(tmp_path, smol_tok):
-    from dflash.target import load_target
+    from dflash.model.target import load_target
 
     tiny_llama(vocab_size=len(smol_tok)).save_pretrained(tmp_path / "m")
     smol_tok.save_pretrained(tmp_path / "m")
@@ -169,7 +169,7 @@ def test_loss_mask_covers_exactly_the_assistant_responses(smol_tok):
     tok = smol_tok
     ids, mask = encode_conversation(tok, MSGS)
     assert ids.dtype == torch.long and mask.dtype == torch.bool and ids.shape == mask.shape
-    # ids equal apply_chat_template's own tokenisation (so lengths agree with dflash.lengths)
+    # ids equal apply_chat_template's own tokenisation (so lengths agree with dflash.data.lengths)
     msgs = [{"role": r, "content": c} for r, c in MSGS]
     ref = tok.apply_chat_template(msgs, tokenize=True)
     ref = ref["input_ids"] if not isinstance(ref, list) else ref
@@ -232,7 +232,7 @@ def test_collate_right_pads(smol_tok):
 # --------------------------------------------------------------------------- the real target
 @pytest.mark.slow
 def test_packaged_smollm2_loads_generates_and_caches(tmp_path):
-    from dflash.target import load_target
+    from dflash.model.target import load_target
 
     first = load_target("smollm2", cache_dir=tmp_path)
     model, tok = first.model, first.tokenizer

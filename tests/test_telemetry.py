@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dflash.config import QueueConfig
-from dflash.hsqueue import HSQueue
-from dflash.mixmetrics import mix_metrics
-from dflash.queue_core import QueueItem
-from dflash.telemetry import (
+from dflash.core.config import QueueConfig
+from dflash.core.mixmetrics import mix_metrics
+from dflash.core.queue_core import QueueItem
+from dflash.pipeline.hsqueue import HSQueue
+from dflash.pipeline.telemetry import (
     MIX_KEYS,
     NvmlSampler,
     RollingMix,
@@ -349,7 +349,7 @@ def test_wandb_disabled_imports_nothing_and_writes_nothing(tmp_path: Path) -> No
     run_dir = tmp_path / "run"
     code = (
         "import sys\n"
-        "from dflash.telemetry import WandbLogger, NvmlSampler, StageTimer\n"
+        "from dflash.pipeline.telemetry import WandbLogger, NvmlSampler, StageTimer\n"
         "assert 'wandb' not in sys.modules and 'pynvml' not in sys.modules\n"
         f"wb = WandbLogger('disabled', {str(run_dir)!r}, config={{'a': 1}}, run_name='r')\n"
         "wb.log({'loss': 1.0}, step=0); wb.event('queue_control', {'min_ready': 2}, step=0); wb.finish()\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.config import (
+from dflash.core.config import (
     ClusterConfig,
     DflashConfig,
     DrafterConfig,
@@ -19,12 +19,12 @@ from dflash.config import (
     WorkloadConfig,
     load_config,
 )
-from dflash.data import load_conversations, resolve_dataset
-from dflash.drafter import DFlashDrafter
-from dflash.lengths import load_tokenizer
-from dflash.records import read_records
-from dflash.target import LoadedTarget
-from dflash.trainer import Trainer, cosine_with_warmup
+from dflash.core.records import read_records
+from dflash.data.conversations import load_conversations, resolve_dataset
+from dflash.data.lengths import load_tokenizer
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.target import LoadedTarget
+from dflash.pipeline.trainer import Trainer, cosine_with_warmup
 from tests.tiny_models import tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dflash.cli import main
-from dflash.config import config_from_dict, load_config, with_overrides
+from dflash.core.config import config_from_dict, load_config, with_overrides
 from tuning.claims import ClaimStore
 from tuning.validate import choose_best, within_goals
 

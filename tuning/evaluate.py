@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash.config import DflashConfig, QueueConfig, with_overrides
-from dflash.sampler import Sampler
+from dflash.core.config import DflashConfig, QueueConfig, with_overrides
+from dflash.core.sampler import Sampler
 from simulator.run import simulate
 from simulator.workload import load_lengths_and_prompts
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import optuna
 
-from dflash.config import GATES, POLICIES, QueueConfig
-from dflash.errors import ConfigError
+from dflash.core.config import GATES, POLICIES, QueueConfig
+from dflash.core.errors import ConfigError
 
 INT_KNOBS = {"min_ready": 1, "max_depth": 1, "items_per_take": 1}  # knob -> smallest allowed
 CHOICE_KNOBS = {"policy": POLICIES, "gate": GATES}

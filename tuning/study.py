@@ -34,7 +34,7 @@ from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from dflash.errors import ConfigError
+from dflash.core.errors import ConfigError
 
 HEARTBEAT_S = 5.0
 GRACE_S = 60.0

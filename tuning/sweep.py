@@ -18,9 +18,9 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from dflash.config import DflashConfig
-from dflash.errors import ConfigError
-from dflash.records import clean_json
+from dflash.core.config import DflashConfig
+from dflash.core.errors import ConfigError
+from dflash.core.records import clean_json
 from tuning.evaluate import ATTR_METRICS, OBJECTIVES, Evaluator, constraint_values
 from tuning.select import (
     NAMED,

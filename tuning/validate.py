@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from dflash.atomic import atomic_write_text
-from dflash.config import DflashConfig, config_to_toml, with_overrides
-from dflash.errors import ConfigError
-from dflash.records import clean_json, read_records
-from dflash.runmetrics import loss_roughness
+from dflash.core.atomic import atomic_write_text
+from dflash.core.config import DflashConfig, config_to_toml, with_overrides
+from dflash.core.errors import ConfigError
+from dflash.core.records import clean_json, read_records
+from dflash.core.runmetrics import loss_roughness
 from tuning.claims import ClaimStore, worker_id
 
 COMPARED = ("throughput_tokens_per_s", "samples_per_s", "mix_efficiency", "mix_entropy", "mix_kl",
@@ -123,7 +123,7 @@ def run_config(entry: dict[str, Any], base: DflashConfig, calibrated: DflashConf
     run_dir = args.out / "runs" / name
     if run_dir.exists():  # a dead worker's partial run: its timing would be mixed, start over
         shutil.rmtree(run_dir)
-    from dflash.trainer import Trainer
+    from dflash.pipeline.trainer import Trainer
 
     trainer = Trainer(run_cfg, run_dir, wandb_mode="disabled", progress=progress)
     res = trainer.run()
@@ -144,7 +144,7 @@ def run_config(entry: dict[str, Any], base: DflashConfig, calibrated: DflashConf
 
 def _tau(trainer: Any, cfg: DflashConfig, n: int) -> dict[str, Any]:
     """Acceptance length of the trained drafter on held-out prompts (the run's conversations excluded)."""
-    from dflash.acceptance import evaluate_acceptance, heldout_prompts
+    from dflash.model.acceptance import evaluate_acceptance, heldout_prompts
 
     prompts = heldout_prompts(trainer.target.tokenizer, n, seed=cfg.seed + 1, sample=cfg.workload.sample,
                               skip_ids=set(trainer.trained_conversations), dataset=cfg.workload.dataset)

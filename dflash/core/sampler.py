@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from dflash.config import WorkloadConfig
+from dflash.core.config import WorkloadConfig
 
 
 def bucket_of(length: int, bounds: Sequence[int]) -> int:

@@ -5,7 +5,7 @@ Greedy and lossless: the target alone decides every token, the drafter only prop
 * **Prefill.** One target forward over the prompt (``output_hidden_states=True``) gives the first
   new token (the target's greedy choice: the first *anchor*) and the captured context states of
   the prompt positions: the outputs of the drafter's ``spec.target_layer_ids``, read as
-  ``hidden_states[id + 1]`` and concatenated, exactly what :class:`dflash.target.HiddenStateCapture`
+  ``hidden_states[id + 1]`` and concatenated, exactly what :class:`dflash.model.target.HiddenStateCapture`
   returns in training.
 * **Step.** With the anchor at position ``p`` and context states of positions ``0..p-1``, the
   drafter proposes ``B - 1`` tokens (``draft_block(...).argmax(-1)``). One target forward over
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.data import Conversation, load_conversations, resolve_dataset
+from dflash.data.conversations import Conversation, load_conversations, resolve_dataset
 
 EosLike = int | Collection[int] | None
 
@@ -330,7 +330,7 @@ def speculative_generate(target_model: nn.Module, drafter: Any, prompt_ids: torc
 
 # --------------------------------------------------------------------------- evaluation
 def default_eos_ids(target: Any) -> frozenset[int]:
-    """EOS ids of a :class:`~dflash.target.LoadedTarget`: its tokenizer's and its generation config's."""
+    """EOS ids of a :class:`~dflash.model.target.LoadedTarget`: its tokenizer's and its generation config's."""
     ids: set[int] = set()
     tok = getattr(target, "tokenizer", None)
     tid = getattr(tok, "eos_token_id", None) if tok is not None else None
@@ -362,7 +362,7 @@ def evaluate_acceptance(target: Any, drafter: Any, prompts: Iterable[torch.Tenso
                         compare_greedy: bool = False) -> dict[str, Any]:
     """Speculative decoding of every prompt; tau and per-position acceptance.
 
-    ``target``: a :class:`~dflash.target.LoadedTarget` (or anything with ``.model``; ``.tokenizer``
+    ``target``: a :class:`~dflash.model.target.LoadedTarget` (or anything with ``.model``; ``.tokenizer``
     is used only for the default EOS). Stops at ``eos_token_id`` (default: the tokenizer's and the
     generation config's EOS) unless ``stop_at_eos`` is False. ``compare_greedy`` also runs the target
     alone on each prompt, checks the outputs agree and reports its speed.

@@ -3,7 +3,7 @@
 :class:`QueueCore` holds the bucket contents and answers the questions of DESIGN.md's queue
 semantics: may this producer put (the cap), may a drafter take and why (the gate), and which items
 a take removes (the policy, oldest first inside a bucket). It never blocks and never reads a clock;
-callers pass the time in. The threaded queue (:mod:`dflash.hsqueue`) wraps it in a lock and
+callers pass the time in. The threaded queue (:mod:`dflash.pipeline.hsqueue`) wraps it in a lock and
 condition variables for the trainer; the SimPy engine wraps it in SimPy events. Both therefore make
 the very same decisions from the same sequence of calls.
 """
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash.config import QueueConfig
-from dflash.policies import NO_HEAD, SelectionPolicy, make_policy
+from dflash.core.config import QueueConfig
+from dflash.core.policies import NO_HEAD, SelectionPolicy, make_policy
 
 # Why a take was allowed: the gate's reasons, recorded on every take record.
 GATE_READY = "ready"  # depth >= min_ready (or the hysteresis latch is open)

@@ -1,6 +1,6 @@
 """The thread-safe hidden-state queue the trainer's target and drafter threads share.
 
-All decisions are :class:`dflash.queue_core.QueueCore`'s; this class only adds a lock, two condition
+All decisions are :class:`dflash.core.queue_core.QueueCore`'s; this class only adds a lock, two condition
 variables, a clock (injectable, so a test can drive it with a fake one) and the take log. Keeping
 synchronisation and policy apart is what lets the simulator reuse the decisions unchanged.
 """
@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.config import QueueConfig
-from dflash.queue_core import QueueCore, QueueItem
+from dflash.core.config import QueueConfig
+from dflash.core.queue_core import QueueCore, QueueItem
 
 
 class QueueTimeout(TimeoutError):

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.data import Conversation
-from dflash.errors import ConfigError
-from dflash.lengths import default_cache_dir, load_tokenizer, resolve_model
+from dflash.core.errors import ConfigError
+from dflash.data.conversations import Conversation
+from dflash.data.lengths import default_cache_dir, load_tokenizer, resolve_model
 
 MODEL_CACHE_FORMAT = 1  # bump when the cached conversion changes: old entries stop matching
 _MARKER = "dflash_model_source.json"  # written inside each cached model dir (before the rename)
@@ -376,12 +376,12 @@ def encode_conversation(tokenizer: Any, messages: MessagesLike,
     """``(input_ids, loss_mask)`` of one conversation, 1-D, truncated to ``max_len`` tokens.
 
     Token ids equal ``apply_chat_template(messages, tokenize=True)`` (the rendered text encoded
-    without extra special tokens), so lengths agree with :mod:`dflash.lengths`. ``loss_mask`` (bool)
+    without extra special tokens), so lengths agree with :mod:`dflash.data.lengths`. ``loss_mask`` (bool)
     is True on assistant-response tokens (see :func:`assistant_char_spans`: content plus the
     end-of-turn token) and False on system/user turns and template scaffolding, including the
     ``<|im_start|>assistant\\n`` header. A token is in a response if its first character is.
 
-    ``messages``: a :class:`~dflash.data.Conversation`, (role, content) pairs, or role/content dicts.
+    ``messages``: a :class:`~dflash.data.conversations.Conversation`, (role, content) pairs, or role/content dicts.
     """
     text, spans = assistant_char_spans(tokenizer, messages)
     try:

@@ -2,7 +2,7 @@
 
 Target workers (one thread per target device) draw items from the shared sampler, tokenise the
 item's conversations with the chat template, run the frozen target up to its deepest captured
-layer and put the captured states into :class:`dflash.hsqueue.HSQueue`. The drafter side runs in
+layer and put the captured states into :class:`dflash.pipeline.hsqueue.HSQueue`. The drafter side runs in
 the calling thread: each step every drafter worker takes through the queue policy (in index
 order, each take re-checking the gate), computes its forward and backward, and the step sums the
 workers' token-weighted gradients and divides by the global token count, so the update equals one
@@ -10,7 +10,7 @@ worker on the combined batch. On one device the drafter workers are data-paralle
 after another on one model (same arithmetic as DDP with a summed all-reduce).
 
 Everything is written as DESIGN.md's records (``source = "real"``) under the output directory,
-and the run's metrics come from :func:`dflash.runmetrics.run_metrics`, the simulator's function.
+and the run's metrics come from :func:`dflash.core.runmetrics.run_metrics`, the simulator's function.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from dflash.checkpoint import ItemFeed, read_checkpoint, read_control, write_checkpoint
-from dflash.config import DflashConfig
-from dflash.hsqueue import HSQueue
-from dflash.queue_core import QueueItem
-from dflash.records import RecordWriter, clean_json, export_parquet, read_records
-from dflash.runmetrics import RunTrace, loss_roughness, run_metrics
-from dflash.sampler import ItemSpec, Sampler
-from dflash.telemetry import NvmlSampler, RollingMix, StageTimer, WandbLogger, gpu_metrics, queue_health
+from dflash.core.config import DflashConfig
+from dflash.core.queue_core import QueueItem
+from dflash.core.records import RecordWriter, clean_json, export_parquet, read_records
+from dflash.core.runmetrics import RunTrace, loss_roughness, run_metrics
+from dflash.core.sampler import ItemSpec, Sampler
+from dflash.pipeline.checkpoint import ItemFeed, read_checkpoint, read_control, write_checkpoint
+from dflash.pipeline.hsqueue import HSQueue
+from dflash.pipeline.telemetry import NvmlSampler, RollingMix, StageTimer, WandbLogger, gpu_metrics, queue_health
 
 QUEUE_WAIT_S = 600.0  # a put or take waiting this long is a bug (deadlock), not a slow target
 
@@ -53,7 +53,7 @@ class TrainingData:
     """Conversations, their lengths and the sampler over them; encodes sequences on demand."""
 
     def __init__(self, cfg: DflashConfig, tokenizer: Any, conversations: list[Any] | None = None) -> None:
-        from dflash.data import load_conversations, resolve_dataset
+        from dflash.data.conversations import load_conversations, resolve_dataset
 
         w = cfg.workload
         if conversations is None:
@@ -69,7 +69,7 @@ class TrainingData:
 
     def _cached_lengths(self, cfg: DflashConfig) -> list[int]:
         """Untruncated lengths from the length cache (the same tokenisation, without re-encoding)."""
-        from dflash.lengths import cached_lengths
+        from dflash.data.lengths import cached_lengths
 
         table = cached_lengths(cfg.workload, model=cfg.target.model)
         ids = [c.id for c in self.conversations]
@@ -78,7 +78,7 @@ class TrainingData:
         return list(table.lengths)
 
     def encode(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from dflash.target import encode_conversation
+        from dflash.model.target import encode_conversation
 
         with self._lock:
             hit = self._cache.get(index)
@@ -105,8 +105,8 @@ class Trainer:
     def __init__(self, cfg: DflashConfig, out_dir: str | Path, *, target: Any = None,
                  conversations: list[Any] | None = None, progress: Callable[[str], None] | None = print,
                  run_id: str | None = None, resume: bool = False, wandb_mode: str = "disabled") -> None:
-        from dflash.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
-        from dflash.target import HiddenStateCapture, capture_layer_ids, load_target
+        from dflash.model.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
+        from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
 
         self.cfg = cfg
         self.out = Path(out_dir)
@@ -184,8 +184,8 @@ class Trainer:
     def _restore(self) -> dict[str, Any]:
         import random
 
-        from dflash.config import QueueConfig
-        from dflash.records import truncate_after_step
+        from dflash.core.config import QueueConfig
+        from dflash.core.records import truncate_after_step
 
         got = read_checkpoint(self.out)
         if got is None:
@@ -215,8 +215,8 @@ class Trainer:
     # ------------------------------------------------------------------ live re-tuning
     def poll_control(self, step: int) -> None:
         """Apply a new control file between takes: validated like any config, recorded either way."""
-        from dflash.config import with_overrides
-        from dflash.errors import ConfigError
+        from dflash.core.config import with_overrides
+        from dflash.core.errors import ConfigError
 
         ctl = read_control(self.out)
         if not ctl or ctl.get("serial", 0) <= self._control_serial:
@@ -248,7 +248,7 @@ class Trainer:
 
     def make_item(self, spec: ItemSpec, device: torch.device) -> QueueItem:
         """Tokenise, pad and capture one item; the payload lives on the drafter's device and dtype."""
-        from dflash.target import collate
+        from dflash.model.target import collate
 
         batch = [self.data.encode(i) for i in spec.seq_indices]
         pad = self.target.tokenizer.pad_token_id
@@ -490,7 +490,7 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Acceptance length tau on prompts of conversations not trained on so far."""
-        from dflash.acceptance import evaluate_acceptance, render_prompt, select_heldout
+        from dflash.model.acceptance import evaluate_acceptance, render_prompt, select_heldout
 
         c = self.cfg.train
         chosen = select_heldout(self.data.conversations, c.eval_prompts, self.cfg.seed + 1,

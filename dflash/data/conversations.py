@@ -11,7 +11,7 @@ Accepted record shapes::
     {"id": "...", "conversations": [{"from": "human", "value": "..."}, ...]}   # ShareGPT
     {"id": "...", "messages": [{"role": "user", "content": "..."}, ...]}       # OpenAI style
 
-This module is torch-free (the simulator imports it through :mod:`dflash.lengths`).
+This module is torch-free (the simulator imports it through :mod:`dflash.data.lengths`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.config import SAMPLES
-from dflash.errors import ConfigError
+from dflash.core.config import SAMPLES
+from dflash.core.errors import ConfigError
 
 PACKAGED_RELPATH = ("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash.mixmetrics import mix_metrics
+from dflash.core.mixmetrics import mix_metrics
 
 Record = Mapping[str, Any]
 

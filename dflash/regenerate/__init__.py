@@ -9,7 +9,7 @@ set (``[workload] dataset = "DATA.jsonl"``).
 **Prompts.** The configured data set (``workload.dataset``, at most ``workload.max_conversations``
 records) is read whole (``sample = "conversation"``, whatever ``workload.sample`` says: ``--turns``
 decides). A record is eligible when, after optional system turns, it opens with a non-empty user
-turn (and, as :mod:`dflash.data` reads conversations, has at least one assistant turn); records that
+turn (and, as :mod:`dflash.data.conversations` reads conversations, has at least one assistant turn); records that
 open with an assistant turn (ShareGPT's split continuations, about a third of the packaged file)
 are skipped, because their first question answers context written by another model.
 ``--turns first``: the first user turn (and the system turns before it) is the prompt.
@@ -25,7 +25,7 @@ bfloat16 on CUDA) runs ``generate`` on batches of ``--batch-size`` prompts, left
 attention mask, on ``--device`` (default: the first of ``target.devices``); each batch is the
 shortest prompts of a pool of eight batches' worth (:func:`run_transformers`: less padding), and a
 ``--turns all`` record rejoins the pool with its next turn. Prompts are rendered
-with the target's chat template and the generation prompt (:func:`dflash.acceptance.render_prompt`,
+with the target's chat template and the generation prompt (:func:`dflash.model.acceptance.render_prompt`,
 never shortened); a prompt of ``workload.max_len`` tokens or more is skipped and counted, because
 the trainer truncates every sequence at ``max_len`` and such a prompt could not keep a single reply
 token (with ``--turns all`` the conversation stops before that turn). ``server``: any
@@ -46,7 +46,7 @@ decoding: a flag that does nothing would still end up in the sidecar as if it ha
 **Output.** One JSON object per line, ``{"id", "conversations": [{"from": "system"|"human"|"gpt",
 "value"}], "dflash": {"finish": [...], "new_tokens": [...]}}`` (``finish`` per reply: ``stop`` or
 ``length``; ``new_tokens`` may hold ``null`` when a server does not report usage; ``stopped:
-"context"`` when ``--turns all`` ended a conversation early). :mod:`dflash.data` parses it (extra keys are
+"context"`` when ``--turns all`` ended a conversation early). :mod:`dflash.data.conversations` parses it (extra keys are
 ignored). Text is written with ``ensure_ascii=False`` except for the characters
 ``str.splitlines`` treats as line breaks (U+0085, U+2028, U+2029), which stay escaped so a reader
 that splits lines that way never cuts a record in two.
@@ -93,10 +93,10 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any, TextIO
 
-from dflash.atomic import atomic_write_text
-from dflash.config import DflashConfig
-from dflash.data import Conversation, load_conversations, resolve_dataset
-from dflash.errors import ConfigError
+from dflash.core.atomic import atomic_write_text
+from dflash.core.config import DflashConfig
+from dflash.core.errors import ConfigError
+from dflash.data.conversations import Conversation, load_conversations, resolve_dataset
 
 FORMAT = "dflash-regenerate/1"
 BACKENDS = ("transformers", "server")
@@ -111,7 +111,7 @@ PROGRESS_EVERY_S = 2.0
 SIDECAR_EVERY_S = 10.0
 POOL_BATCHES = 8  # the transformers back end picks each batch among this many batches' worth of prompts
 _RETRY_STATUS = frozenset({408, 409, 429})
-# json.dumps(ensure_ascii=False) leaves these raw, and str.splitlines() (dflash.data) breaks lines at them.
+# json.dumps(ensure_ascii=False) leaves these raw, and str.splitlines() (data.conversations) breaks lines at them.
 _LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 _SERVER_ONLY = (("server_model", "--server-model"), ("concurrency", "--concurrency"), ("retries", "--retries"),
                 ("timeout", "--timeout"), ("url", "--url"))
@@ -589,7 +589,7 @@ class TransformersBackend:
     def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, max_prompt_tokens: int | None = None,
                  eos_ids: Iterable[int] | None = None) -> None:
-        from dflash.acceptance import default_eos_ids
+        from dflash.model.acceptance import default_eos_ids
 
         self.model = model
         self.tokenizer = tokenizer
@@ -609,7 +609,7 @@ class TransformersBackend:
 
     def encode(self, messages: Sequence[dict[str, str]]) -> list[int] | None:
         """Chat-template token ids with the generation prompt, or None when longer than allowed."""
-        from dflash.acceptance import render_prompt
+        from dflash.model.acceptance import render_prompt
 
         ids = render_prompt(self.tokenizer, list(messages), max_prompt_tokens=10**9).tolist()
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
@@ -1049,7 +1049,7 @@ _TARGET_KEYS = {"transformers": ("weights_sha", "chat_template_sha"), "server": 
 def _load_local(opts: Options, cfg: DflashConfig) -> tuple[TransformersBackend, dict[str, Any]]:
     import torch
 
-    from dflash.target import load_target
+    from dflash.model.target import load_target
 
     dtype = torch.bfloat16 if str(opts.device).startswith("cuda") else torch.float32
     print(f"regenerate: loading target {cfg.target.model} on {opts.device} ({str(dtype).removeprefix('torch.')})",

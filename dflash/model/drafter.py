@@ -3,7 +3,7 @@
 Shape of the model:
 
 * **Context.** The target's K captured states per position (``[b, S, K*d]``, from
-  :class:`dflash.target.HiddenStateCapture`) are fused: ``Linear(K*d -> d, no bias)`` then RMSNorm.
+  :class:`dflash.model.target.HiddenStateCapture`) are fused: ``Linear(K*d -> d, no bias)`` then RMSNorm.
   Every draft layer reads the same fused context.
 * **Block.** A block anchored at position ``a`` is ``[token[a], MASK x (B-1)]``, embedded with the
   target's own embedding table; slot ``k`` sits at RoPE position ``a + k`` and predicts
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.config import DrafterConfig, default_gamma
+from dflash.core.config import DrafterConfig, default_gamma
 
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter_config.json"
@@ -140,7 +140,7 @@ class DrafterSpec:
                            drafter: DrafterConfig | None = None, **overrides: Any) -> DrafterSpec:
         """Spec from a transformers config of the target plus ``[drafter]`` settings.
 
-        ``gamma`` defaults to :func:`dflash.config.default_gamma` of the block size. Only default
+        ``gamma`` defaults to :func:`dflash.core.config.default_gamma` of the block size. Only default
         RoPE is modelled (``rope_theta``); scaled RoPE variants (e.g. Llama 3.1's) are not.
         """
         d = drafter or DrafterConfig()

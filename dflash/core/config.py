@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from dflash.errors import ConfigError
+from dflash.core.errors import ConfigError
 
 POLICIES = ("fullest", "fifo", "random_item", "random_bucket", "proportional")
 GATES = ("threshold", "hysteresis")

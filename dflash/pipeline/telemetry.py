@@ -12,7 +12,7 @@ Parts:
   and SM clock every ``interval_s``; :func:`gpu_metrics` turns drained samples into ``gpu/<i>/...``.
 - :class:`StageTimer`: per-stage durations since the last flush; ``metrics()`` gives
   ``stage/<name>_mean`` and ``stage/<name>_p95`` (and resets).
-- :class:`RollingMix`: DESIGN.md's mix metrics (:func:`dflash.mixmetrics.mix_metrics`) over the
+- :class:`RollingMix`: DESIGN.md's mix metrics (:func:`dflash.core.mixmetrics.mix_metrics`) over the
   last N taken items.
 - :func:`queue_health`: ``hs_depth``, ``hs_depth/bucket_<i>``, ``queued_bytes``, and gate-wait /
   producer-blocked ratios over the interval.
@@ -57,12 +57,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash.mixmetrics import mix_metrics
+from dflash.core.mixmetrics import mix_metrics
 
 if TYPE_CHECKING:
-    from dflash.hsqueue import HSQueue, TakeLogEntry
+    from dflash.pipeline.hsqueue import HSQueue, TakeLogEntry
 
-logger = logging.getLogger("dflash.telemetry")
+logger = logging.getLogger("dflash.pipeline.telemetry")
 
 Warn = Callable[[str], None]
 
@@ -337,7 +337,7 @@ class RollingMix:
             self._items.extend((bucket, float(n), seq) for n in padded_lens)
 
     def add_entry(self, entry: TakeLogEntry | Mapping[str, Any], padded_lens: Sequence[float]) -> None:
-        """A :class:`~dflash.hsqueue.TakeLogEntry` or a take record, with its items' padded lengths."""
+        """A :class:`~dflash.pipeline.hsqueue.TakeLogEntry` or a take record, with its items' padded lengths."""
         bucket = entry["bucket"] if isinstance(entry, Mapping) else entry.bucket
         ids = entry["item_ids"] if isinstance(entry, Mapping) else entry.item_ids
         if len(ids) != len(padded_lens):

@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.atomic import atomic_write_text
-from dflash.config import WorkloadConfig
-from dflash.data import Conversation, ParseStats, load_conversations, resolve_dataset
-from dflash.errors import ConfigError
+from dflash.core.atomic import atomic_write_text
+from dflash.core.config import WorkloadConfig
+from dflash.core.errors import ConfigError
+from dflash.data.conversations import Conversation, ParseStats, load_conversations, resolve_dataset
 
 LENGTHS_FORMAT = 2  # bump when rendering or counting changes: old cache files stop matching
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

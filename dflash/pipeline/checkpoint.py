@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from dflash.sampler import ItemSpec, Sampler
+from dflash.core.sampler import ItemSpec, Sampler
 
 CHECKPOINT_DIR = "checkpoint"
 CONTROL_FILE = "control.json"

@@ -1,0 +1,132 @@
+"""The option table: what each verb accepts and how a value is judged.
+
+A verb module (``dflash/cli/verbs/<verb>.py``) declares its :class:`Verb` with these :class:`Opt`
+rows; :mod:`dflash.cli.command` builds argparse from them and validates. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash.core.config import FLAG_FOR_KEY, GATES, POLICIES, DflashConfig, check_choice, check_float, check_int
+from dflash.core.errors import ConfigError
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class Opt:
+    """One option of a verb, and how it is validated.
+
+    ``key`` set: the value overrides that config key and the config's validation judges it (the
+    error names the key and this flag). ``key`` None: a pure flag, checked here by ``kind``.
+    Kinds: ``int``/``float`` (pure: ``>= lo`` resp. ``> lo``), ``str`` (non-empty),
+    ``choice``, ``devices`` (comma-separated list), ``switch`` (store_true; with a key it sets
+    ``value``), ``infile``/``indir``/``inpath`` (must exist), ``outfile``/``outdir`` (must not be
+    the wrong kind of existing thing).
+    """
+
+    flag: str  # "--n-target", or a positional's name ("RUN_DIR")
+    kind: str
+    help: str
+    key: str | None = None
+    lo: float | None = None
+    choices: tuple[str, ...] = ()
+    default: Any = None
+    required: bool = False
+    repeat: bool = False
+    value: Any = None
+    metavar: str | None = None
+
+    @property
+    def positional(self) -> bool:
+        return not self.flag.startswith("-")
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_").lower()
+
+
+# check(args, overrides): raise ConfigError for combinations one flag's check cannot see.
+Check = Callable[[argparse.Namespace, dict[str, Any]], None]
+# base_config(args, overrides): the config the flags apply to, where it is not the --config file.
+BaseConfig = Callable[[argparse.Namespace, dict[str, Any]], DflashConfig]
+
+
+@dataclass(frozen=True)
+class Verb:
+    help: str
+    opts: tuple[Opt, ...] = ()
+    queue_flags: bool = False
+    cpu_profile: bool = False  # with no --config on a CPU machine, start from the packaged CPU profile
+    check: Check | None = None
+    base_config: BaseConfig | None = None
+
+    def all_opts(self) -> tuple[Opt, ...]:
+        return (SEED, *(QUEUE_OPTS if self.queue_flags else ()), *self.opts)
+
+    def flag_for_key(self) -> dict[str, str]:
+        return {o.key: o.flag for o in self.all_opts() if o.key is not None}
+
+
+SEED = Opt("--seed", "int", "random seed of the run (>= 0)", key="seed", metavar="N")
+QUEUE_OPTS = (
+    Opt(FLAG_FOR_KEY["queue.min_ready"], "int", "min-ready gate: items queued before a drafter takes "
+        "(1 <= N <= max depth)", key="queue.min_ready", metavar="N"),
+    Opt(FLAG_FOR_KEY["queue.max_depth"], "int", "max-depth cap: producers block at this depth (>= 1)",
+        key="queue.max_depth", metavar="N"),
+    Opt(FLAG_FOR_KEY["queue.max_bytes"], "int", "optional byte cap on queued items (>= 1)",
+        key="queue.max_bytes", metavar="N"),
+    Opt(FLAG_FOR_KEY["queue.policy"], "str", "which bucket a drafter takes from next",
+        key="queue.policy", metavar="{" + ",".join(POLICIES) + "}"),
+    Opt(FLAG_FOR_KEY["queue.items_per_take"], "int", "items one take removes (>= 1)",
+        key="queue.items_per_take", metavar="N"),
+    Opt(FLAG_FOR_KEY["queue.gate"], "str", "gate rule", key="queue.gate",
+        metavar="{" + ",".join(GATES) + "}"),
+)
+CALIBRATION = Opt("--calibration", "infile", "calibration file written by 'dflash calibrate'", metavar="FILE")
+N_TARGET = Opt("--n-target", "int", "target workers (>= 1)", key="cluster.n_target", metavar="N")
+N_DRAFTER = Opt("--n-drafter", "int", "drafter workers (>= 1)", key="cluster.n_drafter", metavar="N")
+
+
+def check_pure(opt: Opt, value: Any) -> None:
+    """Validate one value of a flag that is not a config key."""
+    flag, kind = opt.flag, opt.kind
+    if kind == "int":
+        check_int(flag, value, None if opt.lo is None else int(opt.lo))
+    elif kind == "float":
+        check_float(flag, value, opt.lo, lo_open=True)
+    elif kind == "choice":
+        check_choice(flag, value, opt.choices)
+    elif kind == "str":
+        if not value.strip():
+            raise ConfigError(flag, "must not be empty", value)
+    elif kind in ("infile", "indir", "inpath"):
+        p = Path(value)
+        ok = {"infile": p.is_file, "indir": p.is_dir, "inpath": p.exists}[kind]()
+        what = {"infile": "an existing file", "indir": "an existing directory",
+                "inpath": "an existing file or directory"}[kind]
+        if not value or not ok:
+            raise ConfigError(flag, f"must be {what}", value)
+    elif kind == "outfile" and (not value or Path(value).is_dir()):
+        raise ConfigError(flag, "must be a file path (not a directory)", value)
+    elif kind == "outdir" and (not value or (Path(value).exists() and not Path(value).is_dir())):
+        raise ConfigError(flag, "must be a directory path (not an existing file)", value)
+
+
+def config_value(opt: Opt, value: Any) -> Any:
+    if opt.kind == "devices":
+        return tuple(d.strip() for d in value.split(","))
+    if opt.kind == "switch":
+        return opt.value if value else None
+    return value
+
+
+def given_queue_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The queue flags given on the command line, as config keys -> values."""
+    return {o.key: config_value(o, getattr(args, o.dest)) for o in QUEUE_OPTS
+            if o.key is not None and getattr(args, o.dest) is not None}

@@ -1,0 +1,1 @@
+"""The trainer: target and drafter workers around the queue, checkpoints, telemetry (W&B, NVML)."""
