@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 
 import dflash
-from dflash import cli
-from dflash.cli import HANDLERS, VERBS, NotBuilt, main
+from dflash.cli import VERBS, main
+from dflash.cli import command as cli
 
 QUEUE_VERBS = ("simulate", "sweep", "train", "tune-live")
 # Verbs still waiting for their issue; each entry disappears when its verb lands.
-NOT_BUILT = {verb: h.issue for verb, h in HANDLERS.items() if isinstance(h, NotBuilt)}
 
 # A valid invocation of each verb (relative paths inside the `workdir` fixture).
 BASE = {
@@ -196,20 +195,6 @@ def test_root_errors_are_one_line(argv, capsys):
     out, err = capsys.readouterr()
     assert err.startswith("dflash: error: ") and err.count("\n") == 1, err
     assert out == ""
-
-
-@pytest.mark.parametrize(("verb", "issue"), sorted(NOT_BUILT.items()))
-def test_valid_not_built_verb_says_so(verb, issue, workdir, capsys):
-    extra = {"simulate": ["--json", "out.json", "--records", "recs", "--plot", "q.png", "--n-target", "2"],
-             "train": ["--target-devices", "cuda:0,cuda:1", "--max-steps", "5", "--out", "newrun"],
-             "sweep": ["--trials", "4", "--workers", "2", "--grid", "--out", "study"]}.get(verb, [])
-    before = _tree(workdir)
-    assert main([verb, *BASE[verb], *extra]) == 2
-    out, err = capsys.readouterr()
-    assert err == f"dflash {verb}: not built yet (issue #{issue})\n"
-    assert out == ""
-    assert _tree(workdir) == before
-    assert isinstance(HANDLERS[verb], NotBuilt)
 
 
 def test_handler_receives_the_validated_config(workdir, monkeypatch, capsys):

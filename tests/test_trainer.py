@@ -125,15 +125,15 @@ def test_cosine_schedule_with_warmup(step: int, factor: float) -> None:
 
 
 def test_the_cpu_profile_is_what_train_runs_by_default() -> None:
-    from dflash.cli import _default_config_file
+    from dflash.cli.options import default_config_file
 
-    path = _default_config_file("train", {})
+    path = default_config_file(True, {})
     assert path is not None and path.exists()
     assert load_config(ROOT / "examples" / "cpu-smollm2.toml") == load_config(path)
     cfg = load_config(path)
     assert (cfg.drafter.layers, cfg.drafter.block_size, cfg.drafter.anchors) == (1, 8, 8)
     assert cfg.workload.sample == "first_exchange" and cfg.workload.max_len == 512
-    assert _default_config_file("train", {"target.devices": ("cuda:0",)}) is None
+    assert default_config_file(True, {"target.devices": ("cuda:0",)}) is None
     bound = load_config(ROOT / "examples" / "cpu-smollm2-drafter-bound.toml")
     assert bound.drafter.anchors > cfg.drafter.anchors and bound.drafter.layers > cfg.drafter.layers
 

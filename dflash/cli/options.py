@@ -130,3 +130,23 @@ def given_queue_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The queue flags given on the command line, as config keys -> values."""
     return {o.key: config_value(o, getattr(args, o.dest)) for o in QUEUE_OPTS
             if o.key is not None and getattr(args, o.dest) is not None}
+
+
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+
+
+def default_config_file(cpu_profile: bool, overrides: dict[str, Any]) -> Path | None:
+    """With no --config on the CPU, the verbs that train start from the packaged CPU profile (the
+    built-in defaults are the published GPU sizes: 5 draft layers, blocks of 16, 512 anchors, 2048 tokens)."""
+    devices = (*overrides.get("target.devices", ("cpu",)), *overrides.get("drafter.devices", ("cpu",)))
+    if cpu_profile and all(d == "cpu" for d in devices):
+        return PROFILES / "cpu-smollm2.toml"
+    return None
+
+
+def default_base_config(args: argparse.Namespace, overrides: dict[str, Any], cpu_profile: bool) -> DflashConfig:
+    """The config the flags apply to: --config FILE, else the CPU profile where the verb has one, else defaults."""
+    from dflash.core.config import load_config
+
+    return load_config(args.config or default_config_file(cpu_profile, overrides))

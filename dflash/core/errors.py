@@ -21,6 +21,3 @@ class ConfigError(ValueError):
         got = f" (got {self.got!r})" if self.show_got else ""
         return f"{self.key}: {self.allowed}{got}"
 
-
-class NotBuiltYet(RuntimeError):
-    """A verb whose issue has not landed: it must say so, never pretend to work."""

@@ -1,0 +1,120 @@
+"""``dflash demo``: The main job, in the issue's order: lengths, a real calibration run, simulate the named configs,"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from dflash.cli.options import Opt, Verb
+from dflash.cli.verbs import lengths
+from dflash.core.config import DflashConfig, with_overrides
+
+DEMO_STEPS = 7
+
+
+def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """The main job, in the issue's order: lengths, a real calibration run, simulate the named configs,
+    sweep with the calibration, validate the chosen config next to baseline and handpicked, report."""
+    out = Path(args.out) if args.out else Path("dflash-demo")
+    takes = int(args.takes) if args.takes is not None else 100
+    cal_steps = int(args.cal_steps) if args.cal_steps is not None else 120
+    t0 = time.perf_counter()
+
+    def stage(k: int, title: str) -> None:
+        print(f"\n== {k}/{DEMO_STEPS} {title} ({time.perf_counter() - t0:.0f} s so far) ==", flush=True)
+
+    stage(1, "token lengths of the data set")
+    lengths.handle(args, cfg)
+    stage(2, f"a short real CPU run to calibrate ({cal_steps} steps, {cfg.queue.min_ready}/{cfg.queue.max_depth} "
+             f"{cfg.queue.policy})")
+    cal_run = out / "calibration-run"
+    if not (cal_run / "metrics.json").is_file():
+        if cal_run.exists():
+            import shutil
+
+            shutil.rmtree(cal_run)
+        from dflash.pipeline.trainer import Trainer
+
+        Trainer(with_overrides(cfg, {"train.max_steps": cal_steps}), cal_run, wandb_mode="disabled").run()
+    stage(3, "calibrate the simulator")
+    from simulator.calibration import apply_calibration, calibrate, format_calibration, write_calibration
+
+    cal_path = out / "calibration.json"
+    data = calibrate([cal_run], cfg, seed=cfg.seed)
+    write_calibration(data, cal_path)
+    print(format_calibration(data))
+    calibrated = apply_calibration(cfg, cal_path)
+    stage(4, "simulate baseline and handpicked with the calibration (one simulated hour each)")
+    demo_simulate(calibrated)
+    stage(5, "sweep the queue knobs over the calibrated simulator (Optuna, NSGA-II)")
+    selection = demo_sweep(out, calibrated, str(cal_path))
+    stage(6, f"validate the chosen config, baseline and handpicked on the real trainer ({takes} takes each)")
+    import json
+
+    from tuning.validate import ValidateArgs, claims_url_for, format_validation, progress_printer, run_validation
+
+    sel = json.loads(Path(selection).read_text())
+    keep = [c for c in sel["configs"] if c["name"] in ("tuned-1", "baseline", "handpicked")]
+    val_out = out / "validation"
+    vargs = ValidateArgs(selection={**sel, "configs": keep}, selection_path=str(selection), takes=takes,
+                         out=val_out, calibration=str(cal_path), claims_url=claims_url_for(None, val_out),
+                         prompts=cfg.train.eval_prompts)
+    payload = run_validation(cfg, vargs, progress=progress_printer)
+    if payload is not None:
+        print(format_validation(payload))
+    stage(7, "write the report")
+    from reports.build import build_report
+
+    html, md = build_report([out], out / "report", cfg)
+    print(f"\ndone in {time.perf_counter() - t0:.0f} s.\nreport: {html}\n(markdown twin: {md})")
+    if payload is not None and payload.get("command"):
+        print(f"launch the validated training run:\n  {payload['command']}")
+    return 0
+
+
+def demo_sweep(out: Path, cfg: DflashConfig, calibration: str | None) -> Path:
+    from tuning.sweep import SweepArgs, format_result, run_sweep
+
+    # A short study: at most 40 trials x 2 seeds x 30 simulated minutes (less if the config asks for less).
+    cfg = with_overrides(cfg, {"sweep.seeds_per_trial": min(cfg.sweep.seeds_per_trial, 2),
+                               "sweep.sim_seconds": min(cfg.sweep.sim_seconds, 1800.0)})
+    sargs = SweepArgs(trials=min(cfg.sweep.trials, 40), storage=str(out / "sweep" / "study.journal"), study="demo",
+                      workers=1, grid=False, out=out / "sweep", calibration=calibration)
+    res = run_sweep(cfg, sargs, progress=sys.stderr.isatty())
+    print(format_result(res, False, cfg))
+    return Path(res["selection"])
+
+
+REFERENCE_CONFIGS = {"baseline": (10, 30), "handpicked": (30, 90)}  # DESIGN.md's named configs
+
+
+def demo_simulate(cfg: DflashConfig) -> None:
+    from simulator.run import simulate
+    from simulator.workload import make_sampler
+
+    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed)
+    rows = []
+    for name, (min_ready, max_depth) in REFERENCE_CONFIGS.items():
+        c = with_overrides(cfg, {"queue.min_ready": min_ready, "queue.max_depth": max_depth})
+        m = simulate(c, sampler, sim_seconds=3600.0).metrics
+        rows.append((f"{name} {min_ready}/{max_depth}", m))
+    print(f"{'config':<18}{'tokens/s':>10}{'mix_eff':>9}{'streak':>8}{'autocorr':>10}{'depth':>7}"
+          f"{'peak GiB':>10}")
+    for label, m in rows:
+        print(f"{label:<18}{m.get('throughput_tokens_per_s', float('nan')):>10,.0f}"
+              f"{m.get('mix_efficiency', float('nan')):>9.3f}{m.get('max_bucket_streak', 0):>8}"
+              f"{m.get('length_autocorr', float('nan')):>10.3f}"
+              f"{m.get('mean_queue_depth', float('nan')):>7.1f}"
+              f"{m.get('peak_queue_bytes', 0) / 2**30:>10.1f}")
+    c = cfg.cluster
+    print(f"({c.n_target} target + {c.n_drafter} drafter workers on {', '.join(cfg.target.devices)}; timing "
+          f"{'from the calibration' if cfg.timing.target_noise == 'empirical' else 'as configured'})")
+
+
+VERB = Verb("the main job, end to end", cpu_profile=True, opts=(
+        Opt("--out", "outdir", "output directory (default: dflash-demo)", metavar="DIR"),
+        Opt("--takes", "int", "takes per validated config (>= 1; default 100)", lo=1, metavar="N"),
+        Opt("--cal-steps", "int", "steps of the calibration run (>= 30; default 120)", lo=30, metavar="N"),
+    ))

@@ -1,0 +1,63 @@
+"""``dflash validate``: The selection on the real trainer, compared with the calibrated simulator
+(tuning/validate.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from dflash.cli.options import CALIBRATION, Opt, Verb
+from dflash.core.config import DflashConfig
+from dflash.core.errors import ConfigError
+
+
+def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
+    """The selection on the real trainer, compared with the calibrated simulator (tuning/validate.py)."""
+    from tuning.validate import (
+        ValidateArgs,
+        claims_url_for,
+        format_validation,
+        progress_printer,
+        read_selection,
+        run_validation,
+        selection_from_study,
+    )
+
+    out = Path(args.out) if args.out else Path("validation")
+    if args.selection:
+        selection, sel_path = read_selection(args.selection), str(args.selection)
+    else:
+        storage = args.storage or "dflash-study.journal"
+        selection, sel_path = selection_from_study(args.study, storage, cfg), f"study {args.study} in {storage}"
+    takes = int(args.takes) if args.takes is not None else 300
+    vargs = ValidateArgs(selection=selection, selection_path=sel_path, takes=takes, out=out,
+                         calibration=args.calibration, claims_url=claims_url_for(args.storage, out),
+                         prompts=cfg.train.eval_prompts)
+    payload = run_validation(cfg, vargs, progress=progress_printer)
+    if payload is None:
+        return 0
+    print(format_validation(payload))
+    print(f"validation: {out / 'validation.json'}")
+    return 0
+
+
+def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
+    if (args.selection is None) == (args.study is None):
+        raise ConfigError("--selection/--study", "give exactly one of --selection FILE or --study NAME",
+                          show_got=False)
+    if args.storage is not None and args.study is None and \
+            args.storage.split("://", 1)[0].split("+")[0] not in ("sqlite", "postgresql", "mysql"):
+        raise ConfigError("--storage", "with --selection: an SQL URL (sqlite:///PATH or postgresql://...) shared "
+                                       "by validation workers", args.storage)
+
+
+VERB = Verb("run the selection on the real trainer; compare with predictions", check=_check, cpu_profile=True, opts=(
+        Opt("--selection", "infile", "selection file (instead of --study)", metavar="FILE"),
+        Opt("--study", "str", "study to select from (instead of --selection)", metavar="NAME"),
+        Opt("--storage", "str", "Optuna storage URL of --study", metavar="URL"),
+        Opt("--top-k", "int", "configs taken from the study (>= 1)", key="sweep.top_k", metavar="K"),
+        CALIBRATION,
+        Opt("--takes", "int", "takes per validated config (>= 1)", lo=1, metavar="N"),
+        Opt("--out", "outdir", "output directory", metavar="DIR"),
+    ))
