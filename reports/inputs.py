@@ -228,11 +228,12 @@ def _parquet_feasibility(df: pd.DataFrame) -> tuple[dict[int, bool], list[int] |
     feasible = {int(n): bool(f) for n, f in zip(df["number"], df["feasible"], strict=True)}
     if not {"values_0", "values_1"} <= set(df.columns):
         return feasible, None
+    from tuning.pareto import nondominated
+
     ok = df[df["feasible"].astype(bool)]
-    pts = list(zip(ok["number"], ok["values_0"], ok["values_1"], strict=True))
-    front = [int(n) for n, a, b in pts
-             if not any(a2 >= a and b2 >= b and (a2 > a or b2 > b) for _, a2, b2 in pts)]
-    return feasible, sorted(front)
+    numbers = [int(n) for n in ok["number"]]
+    points = list(zip(ok["values_0"], ok["values_1"], strict=True))
+    return feasible, sorted(numbers[i] for i in nondominated(points))
 
 
 def _study_feasibility(path: Path, selection: dict[str, Any]) -> tuple[dict[int, bool] | None, list[int] | None]:

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash.core.mixmetrics import window_counts
+from dflash.core.named_configs import named_config_of
 from dflash.core.records import read_records
 
 RECORD_FILES = ("take.jsonl", "produce.jsonl", "step.jsonl", "summary.jsonl")
-NAMED_QUEUES = {"baseline": (10, 30), "handpicked": (30, 90)}  # DESIGN.md's two reference configs
 DEFAULT_WINDOW = 32
 
 
@@ -96,23 +96,12 @@ def load_run(path: Path, name: str | None = None) -> RunData:
     run = RunData(dir=path, name="", source=str(source), config=config if isinstance(config, dict) else None,
                   metrics=_dict_or_none(read_json(path / "metrics.json")),
                   eval=_dict_or_none(read_json(path / "eval.json")), takes=takes, steps=steps, summary=summary)
-    run.name = name or named_config(run.queue) or path.name
+    run.name = name or named_config_of(run.queue) or path.name
     return run
 
 
 def _dict_or_none(x: Any) -> dict[str, Any] | None:
     return x if isinstance(x, dict) else None
-
-
-def named_config(queue: dict[str, Any] | None) -> str | None:
-    """``baseline``/``handpicked`` when a run's queue is one of DESIGN.md's named configs (default policy)."""
-    if not queue:
-        return None
-    for name, (mr, md) in NAMED_QUEUES.items():
-        if (queue.get("min_ready"), queue.get("max_depth")) == (mr, md) and queue.get("policy", "random_item") \
-                == "random_item":
-            return name
-    return None
 
 
 def depth_series(takes: list[dict[str, Any]], n_buckets: int) -> tuple[list[float], list[int], list[list[int]]]:
