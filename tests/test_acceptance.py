@@ -275,6 +275,10 @@ def test_untrained_drafter_scores_tau_close_to_one(target):
     assert non_increasing(rates)
     assert out["new_tokens"] == 4 * 40 and out["tokens_per_s"] > 0 and out["block_size"] == 8
     assert out["steps"] == out["new_tokens"] - 4 - sum(out["position_accepted"])  # 1 + accepted per step
+    assert sum(out["steps_per_prompt"]) == out["steps"]
+    assert sum(out["produced_per_prompt"]) / out["steps"] == pytest.approx(out["tau"])
+    lo, hi = out["tau_ci95"]
+    assert lo <= out["tau"] <= hi and min(out["tau_per_prompt"]) <= lo
     json.dumps(out)  # JSON-ready
 
 

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash.core.stats import ratio_bootstrap_ci
 from dflash.data.conversations import Conversation, load_conversations, resolve_dataset
 
 EosLike = int | Collection[int] | None
@@ -123,6 +124,10 @@ def _check_prompt(prompt_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"prompt_ids must be a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
     return ids
+
+
+def _list_or_none(pair: tuple[float, float] | None) -> list[float] | None:
+    return None if pair is None else [pair[0], pair[1]]
 
 
 def _check_max_new(max_new_tokens: int) -> int:
@@ -368,7 +373,9 @@ def evaluate_acceptance(target: Any, drafter: Any, prompts: Iterable[torch.Tenso
     alone on each prompt, checks the outputs agree and reports its speed.
 
     Returns a JSON-ready dict: ``tau`` (tokens per verification step over all steps of all
-    prompts), ``tau_per_prompt``, ``acceptance_rate_per_position`` (``[B-1]``, accepted with all
+    prompts), ``tau_ci95`` ([low, high]: bootstrap over prompts, :mod:`dflash.core.stats`),
+    ``tau_per_prompt`` (and the per-prompt ``steps``/``produced`` it is made of),
+    ``acceptance_rate_per_position`` (``[B-1]``, accepted with all
     before / steps), ``conditional_acceptance_per_position``, the raw counts, ``steps``,
     ``new_tokens``, ``tokens_per_s`` (generated tokens over wall time, prefill included),
     ``num_prompts``, ``block_size``, ``max_new_tokens``, timing splits, and with ``compare_greedy``:
@@ -382,6 +389,8 @@ def evaluate_acceptance(target: Any, drafter: Any, prompts: Iterable[torch.Tenso
     bs = int(drafter.spec.block_size)
     tot = _Totals(acc=[0] * (bs - 1), att=[0] * (bs - 1))
     per_prompt: list[float | None] = []
+    steps_per_prompt: list[int] = []
+    produced_per_prompt: list[int] = []
     prompt_lens: list[int] = []
     prefill = draft = verify = 0.0
     greedy_time = 0.0
@@ -399,6 +408,8 @@ def evaluate_acceptance(target: Any, drafter: Any, prompts: Iterable[torch.Tenso
         draft += res.draft_s
         verify += res.verify_s
         per_prompt.append(_nan_to_none(res.tau))
+        steps_per_prompt.append(res.steps)
+        produced_per_prompt.append(sum(res.produced))
         prompt_lens.append(res.prompt_len)
         if compare_greedy:
             t0 = time.perf_counter()
@@ -409,7 +420,10 @@ def evaluate_acceptance(target: Any, drafter: Any, prompts: Iterable[torch.Tenso
     steps = tot.steps
     out: dict[str, Any] = {
         "tau": tot.produced / steps if steps else None,
+        "tau_ci95": _list_or_none(ratio_bootstrap_ci(produced_per_prompt, steps_per_prompt)),
         "tau_per_prompt": per_prompt,
+        "steps_per_prompt": steps_per_prompt,
+        "produced_per_prompt": produced_per_prompt,
         "acceptance_rate_per_position": [a / steps if steps else None for a in tot.acc],
         "conditional_acceptance_per_position": [a / t if t else None for a, t in zip(tot.acc, tot.att)],
         "position_accepted": tot.acc,
