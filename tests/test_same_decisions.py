@@ -229,3 +229,83 @@ def test_the_traces_exercise_ties_the_cap_and_the_drain(min_ready: int, max_dept
     assert "cap" in reasons
     if min_ready > 1:  # with min_ready 1 a drain take is indistinguishable from a ready one
         assert "drain" in reasons
+
+
+# --------------------------------------------------------------------------- the distributed coordinator
+def run_coordinator(cfg: QueueConfig, trace: Trace, seed: int) -> list[tuple[int, int, tuple[str, ...]]]:
+    """Discrete-event driver of the multi-rank coordinator's pure decisions (2 targets + 2 drafters).
+
+    The same-instant order is the service thread's: every ready report of an instant is applied (in
+    producer order) before one ``serve`` answers the waiting drafters.
+    """
+    from dflash.pipeline.coordinator import Admit, Assignment, Coordinator, NoWork
+
+    producers, drafters = trace
+    coord = Coordinator(cfg, N_BUCKETS, len(producers), len(drafters), mix=MIX, seed=seed, sync="none")
+    events: list[tuple[float, int, int]] = []
+    next_item = [0] * len(producers)
+    takes_done = [0] * len(drafters)
+    drained: set[int] = set()
+    log: list[tuple[int, int, tuple[str, ...]]] = []
+    rounds: list[int] = []
+
+    def schedule_producer(w: int, t: float) -> None:
+        if next_item[w] < len(producers[w]):
+            heapq.heappush(events, (t + producers[w][next_item[w]][0], 0, w))
+        else:
+            coord.producer_closed(w)
+
+    def apply(actions, t: float) -> None:
+        for a in actions:
+            if isinstance(a, Admit):
+                next_item[a.producer] += 1
+                schedule_producer(a.producer, t)
+            elif isinstance(a, Assignment):
+                log.append((a.drafter, a.bucket, tuple(i.item_id for i in a.items)))
+                rounds.extend(x.round for x in a.transfers)
+                assert all(x.producer == int(x.item_id[1]) for x in a.transfers)  # "w{producer}-{k}"
+                heapq.heappush(events, (t + drafters[a.drafter][takes_done[a.drafter]], 1, a.drafter))
+                takes_done[a.drafter] += 1
+            elif isinstance(a, NoWork):
+                drained.add(a.drafter)
+
+    def serve(t: float) -> None:
+        while actions := coord.serve(t):  # an admitted last item closes its producer: serve again
+            apply(actions, t)
+
+    for w in range(len(producers)):
+        schedule_producer(w, 0.0)
+    for d in range(len(drafters)):
+        coord.request(d, None, 0.0)
+    serve(0.0)
+    while len(drained) < len(drafters):
+        assert events or coord.waiting, "driver stalled"
+        t = events[0][0]
+        batch = []
+        while events and events[0][0] == t:
+            batch.append(heapq.heappop(events))
+        for _, kind, idx in sorted(batch, key=lambda e: (e[1], e[2])):  # puts before takes, by index
+            if kind == 0:
+                if coord.ready(idx, producers[idx][next_item[idx]][1], t):
+                    next_item[idx] += 1
+                    schedule_producer(idx, t)
+            else:
+                coord.request(idx, None, t)
+        serve(t)
+    assert rounds == list(range(1, len(rounds) + 1))  # one global, gap-free round numbering
+    return log
+
+
+@pytest.mark.parametrize("gate", ["threshold", "hysteresis"])
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+@pytest.mark.parametrize(("min_ready", "max_depth", "per_take", "max_bytes"), CASES)
+def test_the_coordinator_decides_like_the_simulator_with_two_targets_and_two_drafters(
+        policy: str, gate: str, min_ready: int, max_depth: int, per_take: int, max_bytes: int | None) -> None:
+    cfg = QueueConfig(min_ready=min_ready, max_depth=max_depth, items_per_take=per_take,
+                      max_bytes=max_bytes, policy=policy, gate=gate)
+    trace = make_trace(seed=min_ready * 17 + max_depth, n_prod=2, n_draft=2, byte_sizes=max_bytes is not None)
+    sim_log = run_simpy(cfg, trace, seed=7)
+    coord_log = run_coordinator(cfg, trace, seed=7)
+    assert sum(len(ids) for _, _, ids in sim_log) == sum(len(s) for s in trace[0])
+    assert coord_log == sim_log
+    assert {d for d, _, _ in coord_log} == {0, 1}  # both drafters took

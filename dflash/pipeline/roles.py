@@ -1,0 +1,98 @@
+"""Who each rank is: roles by rank, the device rule, and the world-size checks made before any model loads.
+
+The first ``n_target`` ranks are targets (producers), the next ``n_drafter`` ranks are drafters; the
+first drafter rank also hosts the coordinator thread. Each rank owns one device by one rule:
+``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``. One GPU shared by every rank of a node is
+the one exception the rule allows (NCCL refuses two ranks on one device, so the data plane then goes
+over host memory with gloo); any other node with fewer GPUs than ranks is refused.
+
+Torch-free: the caller passes the CUDA device count in, so the checks run (and fail) in the parent
+before a process starts or torch loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash.core.errors import ConfigError
+
+TARGET = "target"
+DRAFTER = "drafter"
+
+# How the hidden states travel between ranks.
+DATA_GLOO = "gloo"  # CPU tensors over gloo (every CPU run)
+DATA_NCCL = "nccl"  # device to device over NCCL (one GPU per rank)
+DATA_HOST = "host"  # one GPU shared by the node's ranks: staged through host memory, gloo between ranks
+
+DEVICE_RULE = "each rank uses cuda:LOCAL_RANK when CUDA is available, else the CPU (set [cluster] n_target/n_drafter)"
+
+
+@dataclass(frozen=True, slots=True)
+class Roles:
+    """One rank's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    n_target: int
+    n_drafter: int
+
+    @property
+    def role(self) -> str:
+        return TARGET if self.rank < self.n_target else DRAFTER
+
+    @property
+    def is_target(self) -> bool:
+        return self.rank < self.n_target
+
+    @property
+    def worker(self) -> int:
+        """Index among ranks of the same role (producer index or drafter index)."""
+        return self.rank if self.is_target else self.rank - self.n_target
+
+    @property
+    def coordinator_rank(self) -> int:
+        return self.n_target
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.n_target
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return list(range(self.n_target))
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return list(range(self.n_target, self.n_target + self.n_drafter))
+
+
+def check_world(n_target: int, n_drafter: int, world_size: int, *, what: str = "world size") -> None:
+    """World size must be n_target + n_drafter: one line naming both."""
+    if world_size != n_target + n_drafter:
+        raise ConfigError("cluster.n_target + cluster.n_drafter",
+                          f"must equal the {what} ({world_size}); the roles are n_target {n_target} + "
+                          f"n_drafter {n_drafter} = {n_target + n_drafter}", show_got=False)
+
+
+def data_plane(cuda_devices: int, local_world_size: int) -> str:
+    """The data plane for a node: gloo on the CPU, NCCL with a GPU per rank, host staging on one shared GPU.
+
+    Raises ConfigError for more CUDA ranks on a node than GPUs (other than the single shared GPU).
+    """
+    if cuda_devices <= 0:
+        return DATA_GLOO
+    if cuda_devices == 1 and local_world_size > 1:
+        return DATA_HOST
+    if local_world_size > cuda_devices:
+        raise ConfigError("--nproc-per-node", f"at most the {cuda_devices} GPUs of this node per node ({DEVICE_RULE})",
+                          local_world_size)
+    return DATA_NCCL
+
+
+def device_for(local_rank: int, cuda_devices: int) -> str:
+    """The device rule: cuda:LOCAL_RANK (cuda:0 when one GPU is shared), else cpu."""
+    if cuda_devices <= 0:
+        return "cpu"
+    return "cuda:0" if cuda_devices == 1 else f"cuda:{local_rank}"
