@@ -1,0 +1,156 @@
+"""Decisions by evidence: when a measured difference is resolved, and what to recommend.
+
+Validation measures each configuration in blocks of takes, alternating the configurations
+(ABCABC...) so slow machine drift hits all of them alike. After each round it *looks*: for the
+chosen configuration against ``handpicked`` and ``baseline``, on each objective, is the interval of
+the difference of block means clear of 0? Looking after every round and stopping at the first
+clear answer would inflate the error rate, so the number of looks is fixed in advance
+(``max_looks``) and each look uses level ``1 - alpha / max_looks`` (Bonferroni over looks: simple,
+valid for any stopping rule, a little conservative). The interval is Welch's t interval of the
+difference of two independent block samples.
+
+The recommendation follows the evidence: the candidates are the configurations not *resolved*
+worse than the measured best on either objective, and among them the one with the lowest peak
+queue memory wins. A costlier configuration is never preferred on unresolved evidence.
+
+Pure: no torch, no trainer; :mod:`tuning.validate` feeds it block measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from scipy import stats
+
+OBJECTIVES = ("throughput_tokens_per_s", "mix_efficiency")  # both maximised
+REFERENCES = ("handpicked", "baseline")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    config: str
+    against: str
+    objective: str
+    difference: float  # mean(config) - mean(against)
+    ci95: tuple[float, float]  # at the per-look level that keeps the whole procedure at 95%
+    resolved: bool  # exactly: 0 lies outside ci95
+    se: float
+    blocks: tuple[int, int]
+
+    def as_json(self) -> dict[str, object]:
+        return {"config": self.config, "against": self.against, "objective": self.objective,
+                "difference": self.difference, "ci95": list(self.ci95), "resolved": self.resolved,
+                "se": self.se, "blocks": list(self.blocks)}
+
+
+def per_look_level(level: float, max_looks: int) -> float:
+    if not 0 < level < 1 or max_looks < 1:
+        raise ValueError("level must be in (0, 1) and max_looks >= 1")
+    return 1.0 - (1.0 - level) / max_looks
+
+
+def difference_interval(a: Sequence[float], b: Sequence[float], *, level: float
+                        ) -> tuple[float, tuple[float, float], float, float]:
+    """(difference of means, interval, standard error, critical t) of mean(a) - mean(b), Welch.
+
+    Needs two blocks on each side (a spread); with fewer the interval is unbounded.
+    """
+    d = _mean(a) - _mean(b)
+    if len(a) < 2 or len(b) < 2:
+        return d, (-math.inf, math.inf), math.inf, math.inf
+    va, vb = _var(a) / len(a), _var(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return d, (d, d), 0.0, 0.0
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    t = float(stats.t.ppf(1 - (1 - level) / 2, df))
+    return d, (d - t * se, d + t * se), se, t
+
+
+def compare(config: str, against: str, objective: str, a: Sequence[float], b: Sequence[float], *,
+            max_looks: int, level: float = 0.95) -> Comparison:
+    d, (lo, hi), se, _ = difference_interval(a, b, level=per_look_level(level, max_looks))
+    return Comparison(config, against, objective, d, (lo, hi), not lo <= 0.0 <= hi, se, (len(a), len(b)))
+
+
+BlockMeans = Mapping[str, Mapping[str, Sequence[float]]]  # config -> objective -> per-block values
+
+
+def chosen_comparisons(blocks: BlockMeans, chosen: str, *, max_looks: int) -> list[Comparison]:
+    """The chosen configuration against each reference that was measured, on each objective."""
+    return [compare(chosen, ref, obj, blocks[chosen][obj], blocks[ref][obj], max_looks=max_looks)
+            for ref in REFERENCES if ref in blocks and ref != chosen for obj in OBJECTIVES]
+
+
+def all_resolved(comparisons: Sequence[Comparison]) -> bool:
+    return all(c.resolved for c in comparisons)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    name: str
+    candidates: tuple[str, ...]
+    against_best: tuple[Comparison, ...]  # every other config against the measured best, per objective
+    words: str
+
+
+def recommend(blocks: BlockMeans, peak_bytes: Mapping[str, float], *, max_looks: int,
+              block_takes: int) -> Recommendation:
+    """Candidates = not resolved worse than the measured best on either objective; the cheapest in
+    peak queue memory wins (ties: the higher mean throughput, then the name)."""
+    names = sorted(blocks)
+    against_best: list[Comparison] = []
+    worse: set[str] = set()
+    for obj in OBJECTIVES:
+        best = max(names, key=lambda n: (_mean(blocks[n][obj]), n))
+        for n in names:
+            if n == best:
+                continue
+            c = compare(n, best, obj, blocks[n][obj], blocks[best][obj], max_looks=max_looks)
+            against_best.append(c)
+            if c.resolved and c.difference < 0:
+                worse.add(n)
+    candidates = tuple(n for n in names if n not in worse)
+    pick = min(candidates, key=lambda n: (peak_bytes.get(n, math.inf),
+                                          -_mean(blocks[n]["throughput_tokens_per_s"]), n))
+    return Recommendation(pick, candidates, tuple(against_best),
+                          _words(pick, candidates, against_best, peak_bytes, block_takes))
+
+
+def takes_to_resolve(c: Comparison, block_takes: int) -> int | None:
+    """Roughly how many more takes per configuration would put 0 outside the interval, if the
+    difference and the per-block noise stay as observed (None: no difference to resolve)."""
+    if c.resolved:
+        return 0
+    if c.difference == 0 or not math.isfinite(c.se):
+        return None
+    n = min(c.blocks)
+    t = (c.ci95[1] - c.difference) / c.se if c.se > 0 else 0.0
+    need = n * (t * c.se / abs(c.difference)) ** 2
+    return max(1, math.ceil(need - n)) * block_takes
+
+
+def _words(pick: str, candidates: Sequence[str], against_best: Sequence[Comparison],
+           peak_bytes: Mapping[str, float], block_takes: int) -> str:
+    others = [n for n in candidates if n != pick]
+    text = f"{pick}: the lowest peak queue memory ({peak_bytes.get(pick, math.nan) / 2**30:.2f} GiB) among the " \
+           f"configurations not resolved worse than the measured best on either objective"
+    if others:
+        text += f" ({', '.join(others)} are not resolved apart from it)"
+    open_ = [c for c in against_best if not c.resolved and (c.config in candidates)]
+    more = [m for m in (takes_to_resolve(c, block_takes) for c in open_) if m is not None]
+    if more:
+        text += f"; about {max(more)} more takes per configuration would resolve the remaining differences " \
+                f"at the observed noise"
+    return text + "."
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _var(xs: Sequence[float]) -> float:
+    m = _mean(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
