@@ -153,14 +153,37 @@ class WorkloadConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    """Who runs where. ``gpus`` is the GPU budget a split sweep shares out (``n_target`` target
+    workers of ``gpus_per_target`` GPUs each, the rest drafters); ``gpus_per_target`` > 1 (a target
+    sharded over several GPUs) is simulator-only until the trainer shards targets
+    (:meth:`check_trainable`). Ranks fill nodes of ``gpus_per_node`` in order, targets first: that
+    decides which hidden-state moves cross nodes."""
+
     n_target: int = 4
     n_drafter: int = 4
     drafter_sync: str = "step"
+    gpus: int | None = None
+    gpus_per_target: int = 1
+    gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
         check_int("cluster.n_target", self.n_target, 1)
         check_int("cluster.n_drafter", self.n_drafter, 1)
         check_choice("cluster.drafter_sync", self.drafter_sync, DRAFTER_SYNCS)
+        check_int("cluster.gpus_per_target", self.gpus_per_target, 1)
+        check_int("cluster.gpus_per_node", self.gpus_per_node, 1)
+        if self.gpus is not None:
+            check_int("cluster.gpus", self.gpus, self.gpus_per_target + 1)
+            used = self.n_target * self.gpus_per_target + self.n_drafter
+            if used > self.gpus:
+                raise ConfigError("cluster.n_drafter", f"n_target x gpus_per_target + n_drafter = {used} must be "
+                                  f"<= cluster.gpus = {self.gpus}", self.n_drafter)
+
+    def check_trainable(self) -> None:
+        """The real trainer runs one device per target worker: refuse a sharded target (one line)."""
+        if self.gpus_per_target != 1:
+            raise ConfigError("cluster.gpus_per_target", "must be 1 for train and validate: a target sharded "
+                              "over several GPUs is simulator-only for now", self.gpus_per_target)
 
 
 @dataclass(frozen=True)
@@ -290,7 +313,7 @@ class SweepConfig:
     the study (the largest queue in the space with min-ready 1).
     """
 
-    memory_budget_gib: float | None = None  # constraint: peak queued bytes within this budget
+    memory_budget_gib: float | None = None  # per device: the memory model's fullest device within this
     seeds_per_trial: int = 3
     sampler: str = "nsga2"
     top_k: int = 3
@@ -368,6 +391,13 @@ class TimingConfig:
     burst_period_s: float = 20.0
     hidden_size: int = 4096  # of the target: queue bytes per token = layers x hidden x dtype bytes
     dtype_bytes: int = 2
+    # Moving an item's hidden states producer -> drafter, seconds per byte (0 = free), within a
+    # node and across nodes; ``dflash calibrate`` learns the first from takes with ``transfer_s``.
+    transfer_intra_s_per_byte: float = 0.0
+    transfer_inter_s_per_byte: float = 0.0
+    # Synchronised drafters: the DDP all-reduce of the drafter's gradient (memory.drafter_params x
+    # memory.weight_bytes) costs 2 (n - 1) / n x bytes x this per step (ring all-reduce; 0 = free).
+    allreduce_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         for role in ("target", "drafter"):
@@ -396,6 +426,39 @@ class TimingConfig:
         check_float("timing.burst_period_s", self.burst_period_s, 0.0, lo_open=True)
         check_int("timing.hidden_size", self.hidden_size, 1)
         check_int("timing.dtype_bytes", self.dtype_bytes, 1)
+        for key in ("transfer_intra_s_per_byte", "transfer_inter_s_per_byte", "allreduce_s_per_byte"):
+            check_float(f"timing.{key}", getattr(self, key), 0.0)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Sizes the per-device memory model (:mod:`dflash.core.memory_model`) needs beyond the queue.
+
+    Hidden states are always counted (their size follows from the workload, target and timing
+    sections). The rest is counted only when its size is given here, so nothing is guessed: target
+    weights (``target_params``), the drafter's weights, gradients and optimizer state
+    (``drafter_params``: trainable parameters of the draft layers and fusion projection) and the
+    loss's logits per micro-batch (``vocab_size``). ``logits_bytes`` is what one row x vocabulary
+    value costs at the loss's peak: the head's output in the weight dtype plus its float32 copy,
+    the log-softmax output and its gradient (2 + 3 x 4 = 14 for bf16 weights).
+    """
+
+    target_params: float | None = None
+    drafter_params: float | None = None
+    vocab_size: int | None = None
+    weight_bytes: int = 2
+    optimizer_bytes_per_param: int = 12  # AdamW: float32 master copy, m and v
+    logits_bytes: int = 14
+
+    def __post_init__(self) -> None:
+        for key in ("target_params", "drafter_params"):
+            if getattr(self, key) is not None:
+                check_float(f"memory.{key}", getattr(self, key), 0.0, lo_open=True)
+        if self.vocab_size is not None:
+            check_int("memory.vocab_size", self.vocab_size, 1)
+        check_int("memory.weight_bytes", self.weight_bytes, 1)
+        check_int("memory.optimizer_bytes_per_param", self.optimizer_bytes_per_param, 0)
+        check_int("memory.logits_bytes", self.logits_bytes, 1)
 
 
 @dataclass(frozen=True)
@@ -465,6 +528,7 @@ SECTIONS: dict[str, type] = {
     "sweep": SweepConfig,
     "timing": TimingConfig,
     "loss_model": LossModelConfig,
+    "memory": MemoryConfig,
 }
 
 
@@ -480,10 +544,14 @@ class DflashConfig:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     timing: TimingConfig = field(default_factory=TimingConfig)
     loss_model: LossModelConfig = field(default_factory=LossModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_int("seed", self.seed, 0)
+        if "n_target" in self.sweep.space and self.cluster.gpus is None:
+            raise ConfigError("sweep.space.n_target", "needs [cluster] gpus = G, the GPU budget the split shares",
+                              show_got=False)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
