@@ -60,11 +60,22 @@ def sweep(cfg_path: Path, out: Path, trials: int, *, workers: int = 1, grid: boo
 
 
 def states(out: Path, study: str = "s") -> dict[TrialState, int]:
+    """Trial states, duplicates (PRUNED with ``duplicate_of``: proposed, never run) left out."""
     st = optuna.load_study(study_name=study, storage=open_storage(str(out / "study.journal")))
     res: dict[TrialState, int] = {}
     for t in st.get_trials(deepcopy=False):
+        if t.state == TrialState.PRUNED and "duplicate_of" in t.user_attrs:
+            continue
         res[t.state] = res.get(t.state, 0) + 1
     return res
+
+
+def distinct_complete(out: Path, study: str = "s") -> tuple[int, int]:
+    """(complete trials, distinct effective queues among them)."""
+    st = optuna.load_study(study_name=study, storage=open_storage(str(out / "study.journal")))
+    done = st.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    queues = {tuple(sorted((k, v) for k, v in t.user_attrs.items() if k.startswith("queue_"))) for t in done}
+    return len(done), len(queues)
 
 
 def test_known_answer_proportional_mixes_best_when_drafters_are_the_bottleneck(tmp_path: Path) -> None:
@@ -73,7 +84,7 @@ def test_known_answer_proportional_mixes_best_when_drafters_are_the_bottleneck(t
     cfg = write_cfg(tmp_path, extra='space = { policy = ["fullest", "fifo", "random_item", "proportional"] }\n'
                                    "top_k = 1")
     res = sweep(cfg, tmp_path / "out", trials=12)
-    assert res["complete"] == 12
+    assert res["complete"] == 4 and res["distinct"] == 4  # four policies: four distinct configurations
     best = max((t for t in res["front"]), key=lambda t: t.values[1])
     assert best.params["policy"] == "proportional"
     by_policy: dict[str, list[float]] = {}
@@ -87,7 +98,7 @@ def test_known_answer_proportional_mixes_best_when_drafters_are_the_bottleneck(t
     assert names == ["tuned-1", "baseline", "handpicked"]
     assert sel["configs"][0]["trial"] in {t.number for t in res["front"]}  # the knee is on the front
     df = pd.read_parquet(tmp_path / "out" / "trials.parquet")
-    assert len(df) == 12 and "user_attrs_peak_queue_bytes" in df.columns
+    assert (df["state"] == "COMPLETE").sum() == 4 and "user_attrs_peak_queue_bytes" in df.columns
 
 
 def test_memory_constraint_excludes_over_budget_trials(tmp_path: Path) -> None:
@@ -111,6 +122,7 @@ def test_resume_continues_to_exactly_the_asked_trials(tmp_path: Path) -> None:
     again = sweep(cfg, out, trials=7)
     assert again["complete"] == 7 and again["new_trials"] == 4
     assert states(out) == {TrialState.COMPLETE: 7}
+    assert distinct_complete(out) == (7, 7)  # the restart drew its own stream: no repeats
     done = sweep(cfg, out, trials=7)
     assert done["new_trials"] == 0
 
@@ -157,6 +169,7 @@ def test_two_worker_processes_end_with_exactly_the_asked_trials(tmp_path: Path) 
     res = sweep(cfg, tmp_path / "out", trials=9, workers=2)
     assert res["complete"] == 9
     assert states(tmp_path / "out") == {TrialState.COMPLETE: 9}
+    assert distinct_complete(tmp_path / "out") == (9, 9)
     pids = {t.user_attrs["worker_pid"] for t in res["study"].get_trials(states=(TrialState.COMPLETE,))}
     assert len(pids) == 2
 

@@ -3,14 +3,24 @@
 The study's identity (space, objectives, mode, seeds, simulated seconds, calibration, and the
 scalar mode's throughput reference) is stored in the study's user attributes when it is created;
 a resumed or joined study must match it, so workers on many machines and a sweep restarted after
-a kill all score trials the same way.
+a kill all score trials the same way. Every trial runs a configuration no other trial of the study
+has run (compared as the trial runs it, after clamping); a space with fewer distinct
+configurations than ``--trials`` ends when all of them have run. Baseline and handpicked are
+evaluated once per study by idle workers and stored with it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import json
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +28,10 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from dflash.core.config import DflashConfig
+from dflash.core.config import DflashConfig, QueueConfig
 from dflash.core.errors import ConfigError
 from dflash.core.records import clean_json
-from tuning.evaluate import ATTR_METRICS, OBJECTIVES, Evaluator, constraint_values
+from tuning.evaluate import ATTR_METRICS, OBJECTIVES, Evaluation, Evaluator, constraint_values
 from tuning.select import (
     NAMED,
     complete_trials,
@@ -34,14 +44,24 @@ from tuning.select import (
 )
 from tuning.space import SearchSpace, effective_queue, parse_space
 from tuning.study import (
+    HOST,
+    Objective,
+    Propose,
+    claim_stream,
     counts,
+    die_with_parent,
     feasible,
+    lock_files,
     make_optuna_sampler,
     open_storage,
     run_worker,
+    storage_file,
     storage_url_or_default,
+    stream_seed,
     study_lock,
 )
+
+COUNT_LIMIT = 200_000  # integer-knob combinations enumerated to count a space's distinct queues
 
 
 @dataclass(frozen=True)
@@ -67,13 +87,17 @@ def _identity(cfg: DflashConfig, args: SweepArgs) -> dict[str, Any]:
             "queue_base": dict(cfg.queue.__dict__)}
 
 
+def _sampler(cfg: DflashConfig, args: SweepArgs, stream: int) -> optuna.samplers.BaseSampler:
+    name = "grid" if args.grid else cfg.sweep.sampler
+    return make_optuna_sampler(name, stream_seed(cfg.seed, stream), _grid(cfg) if args.grid else None)
+
+
 def open_study(cfg: DflashConfig, args: SweepArgs) -> optuna.Study:
+    """Create or join the study; a stored study made with other settings is refused (one line)."""
     storage = open_storage(args.storage)
-    sampler_name = "grid" if args.grid else cfg.sweep.sampler
-    sampler = make_optuna_sampler(sampler_name, cfg.seed, _grid(cfg) if args.grid else None)
     n_obj = 2 if cfg.sweep.mode == "pareto" or args.grid else 1
     with study_lock(args.storage, args.study):  # several workers may open a new study at once
-        study = optuna.create_study(storage=storage, study_name=args.study, sampler=sampler,
+        study = optuna.create_study(storage=storage, study_name=args.study, sampler=_sampler(cfg, args, 0),
                                     directions=["maximize"] * n_obj, load_if_exists=True)
         identity = clean_json(_identity(cfg, args))
         stored = study.user_attrs.get("identity")
@@ -86,18 +110,56 @@ def open_study(cfg: DflashConfig, args: SweepArgs) -> optuna.Study:
     return study
 
 
-def make_objective(cfg: DflashConfig, evaluator: Evaluator, space: SearchSpace | None, grid: bool,
-                   reference: float | None):
-    def objective(trial: optuna.Trial) -> tuple[list[float], dict[str, float]]:
+def join_as_worker(study: optuna.Study, cfg: DflashConfig, args: SweepArgs) -> int:
+    """Claim this worker's own sampler stream (see tuning.study) and seed the study's sampler from it."""
+    stream = claim_stream(study, args.storage)
+    study.sampler = _sampler(cfg, args, stream)
+    return stream
+
+
+def config_key(queue: QueueConfig) -> str:
+    """Two trials run the same configuration exactly when their effective queues have one key."""
+    return json.dumps(queue.__dict__, sort_keys=True)
+
+
+def make_propose(cfg: DflashConfig, space: SearchSpace | None, grid: bool) -> Propose:
+    """The trial's knobs -> the queue it runs (min_ready clamped, as ``effective_queue`` does) and its key."""
+    def propose(trial: optuna.Trial) -> tuple[str, QueueConfig]:
         if grid:
             pair = trial.suggest_categorical("pair", _grid(cfg)["pair"])
             policy = trial.suggest_categorical("policy", _grid(cfg)["policy"])
             mr, md = (int(x) for x in pair.split("/"))
-            params = {"min_ready": mr, "max_depth": md, "policy": policy}
+            params: dict[str, Any] = {"min_ready": mr, "max_depth": md, "policy": policy}
         else:
             assert space is not None
             params = space.sample(trial)
         queue = effective_queue(cfg.queue, params)
+        return config_key(queue), queue
+
+    return propose
+
+
+def distinct_configurations(cfg: DflashConfig, space: SearchSpace | None, grid: bool) -> int | None:
+    """How many distinct queues (after clamping) the space holds; None when too many to count.
+
+    Clamping touches only min_ready, so the integer knobs are enumerated through
+    ``effective_queue`` and the choice knobs multiply.
+    """
+    if grid:
+        return len({config_key(effective_queue(cfg.queue, {"min_ready": a, "max_depth": b, "policy": p}))
+                    for a, b in cfg.sweep.grid_pairs for p in cfg.sweep.grid_policies})
+    assert space is not None
+    n_int = math.prod(len(r.values()) for r in space.ints.values())
+    if n_int > COUNT_LIMIT:
+        return None
+    names = list(space.ints)
+    ints = {config_key(effective_queue(cfg.queue, dict(zip(names, combo, strict=True))))
+            for combo in itertools.product(*(r.values() for r in space.ints.values()))}
+    return len(ints) * math.prod(len(c) for c in space.choices.values())
+
+
+def make_objective(cfg: DflashConfig, evaluator: Evaluator, grid: bool, reference: float | None) -> Objective:
+    def objective(trial: optuna.Trial, queue: QueueConfig) -> tuple[list[float], dict[str, float]]:
         ev = evaluator.evaluate(queue)
         for key, value in queue.__dict__.items():
             trial.set_user_attr(f"queue_{key}", value)
@@ -119,96 +181,204 @@ def _finite(x: float) -> float | None:
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def _reference_throughput(cfg: DflashConfig, study: optuna.Study, space: SearchSpace | None,
-                          evaluator: Evaluator) -> float | None:
-    """Scalar mode's fixed reference, measured once before the study and stored with it."""
+def ensure_reference(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, space: SearchSpace | None,
+                     evaluator: Evaluator) -> float | None:
+    """Scalar mode's fixed reference, measured once per study (by the first worker to get the lock,
+    while the others wait for it) and stored with the study."""
     if cfg.sweep.mode != "scalar" or space is None:
         return None
-    if "reference_throughput" in study.user_attrs:
+    with study_lock(args.storage, args.study):
+        if "reference_throughput" not in study.user_attrs:
+            ref_queue = effective_queue(cfg.queue, space.largest_queue(cfg.queue))
+            study.set_user_attr("reference_throughput", evaluator.evaluate(ref_queue).mean["throughput_tokens_per_s"])
+            study.set_user_attr("reference_queue", dict(ref_queue.__dict__))
         return float(study.user_attrs["reference_throughput"])
-    ref_queue = effective_queue(cfg.queue, space.largest_queue(cfg.queue))
-    ref = evaluator.evaluate(ref_queue).mean["throughput_tokens_per_s"]
-    study.set_user_attr("reference_throughput", ref)
-    study.set_user_attr("reference_queue", dict(ref_queue.__dict__))
-    return ref
 
 
-def _worker_main(cfg: DflashConfig, args: SweepArgs) -> None:
-    """One worker process: its own evaluator (samplers cached per process), the shared storage."""
+# --------------------------------------------------------------------------- named configs
+def _named_attr(name: str) -> str:
+    return f"named_{name}"
+
+
+def evaluate_next_named(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: Evaluator) -> bool:
+    """Evaluate one named config (baseline, handpicked) nobody has claimed; False when none is left.
+
+    Workers call this when the study has nothing left for them to run, so the selection's extra
+    evaluations run in parallel with the last trials instead of after them; results are stored in
+    the study (its identity fixes seeds and settings), so a restart does not repeat them.
+    """
+    for name, params in NAMED.items():
+        with study_lock(args.storage, args.study):
+            if _named_attr(name) in study.user_attrs:
+                continue
+            study.set_user_attr(_named_attr(name), {"claimed_by": f"{HOST}:{os.getpid()}"})
+        ev = evaluator.evaluate(effective_queue(cfg.queue, params))
+        study.set_user_attr(_named_attr(name), clean_json(ev.as_json()))
+        return True
+    return False
+
+
+def named_evaluations(cfg: DflashConfig, study: optuna.Study, evaluator: Callable[[], Evaluator]
+                      ) -> dict[str, Evaluation]:
+    """The stored named evaluations; one a dead worker claimed but never stored is run here."""
+    out = {}
+    for name, params in NAMED.items():
+        stored = study.user_attrs.get(_named_attr(name), {})
+        if "mean" not in stored:
+            ev = evaluator().evaluate(effective_queue(cfg.queue, params))
+            study.set_user_attr(_named_attr(name), clean_json(ev.as_json()))
+            out[name] = ev
+            continue
+        nan = float("nan")
+        out[name] = Evaluation(queue=stored["queue"], seeds=tuple(stored["seeds"]),
+                               reached=bool(stored["steady_state_reached"]),
+                               mean={k: nan if v is None else v for k, v in stored["mean"].items()},
+                               se={k: nan if v is None else v for k, v in stored["se"].items()})
+    return out
+
+
+# --------------------------------------------------------------------------- running
+def _work(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: Evaluator, target: int,
+          on_done: Callable[[], None] | None = None) -> int:
+    """One worker's share: its sampler stream, the reference, trials until the study has ``target``
+    complete, then any named config nobody has evaluated yet."""
     space = None if args.grid else parse_space(cfg.sweep.space)
+    stream = join_as_worker(study, cfg, args)
+    reference = ensure_reference(cfg, args, study, space, evaluator)
+    done = run_worker(study, args.storage, target, make_propose(cfg, space, args.grid),
+                      make_objective(cfg, evaluator, args.grid, reference), on_done=on_done,
+                      idle=lambda: evaluate_next_named(cfg, args, study, evaluator),
+                      fallback_seed=stream_seed(cfg.seed + 1, stream))
+    while evaluate_next_named(cfg, args, study, evaluator):
+        pass
+    return done
+
+
+def _worker_main(cfg: DflashConfig, args: SweepArgs, target: int, parent_pid: int,
+                 evaluator: Evaluator | None) -> None:
+    """One worker process: it ends with its parent, opens its own storage connection, and uses the
+    evaluator it inherited when forked (or builds one when spawned)."""
+    die_with_parent(parent_pid)
     study = open_study(cfg, args)
-    evaluator = Evaluator(cfg)
-    reference = (float(study.user_attrs["reference_throughput"])
-                 if "reference_throughput" in study.user_attrs else None)
-    run_worker(study, args.storage, args.trials, make_objective(cfg, evaluator, space, args.grid, reference))
+    _work(cfg, args, study, evaluator or Evaluator(cfg), target)
+
+
+def _start_method() -> str:
+    """Fork where the platform has it: the workers inherit the imported modules and the loaded
+    length table (start-up in milliseconds instead of seconds of imports). No thread runs in the
+    parent when it forks (the progress bar starts after), the workers open their own storage and
+    never touch the parent's, and they end with ``os._exit``, so nothing inherited is closed twice."""
+    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
 
 
 def run_sweep(cfg: DflashConfig, args: SweepArgs, progress: bool = True) -> dict[str, Any]:
+    """Run the study to ``args.trials`` complete distinct trials (fewer if the space holds fewer), then
+    :func:`finish`. A failed start (bad space, a study with other settings) leaves nothing behind that
+    it created: the output directory and the storage file are removed if this call made them."""
     space = None if args.grid else parse_space(cfg.sweep.space)  # bad definitions fail before any write
-    args.out.mkdir(parents=True, exist_ok=True)
-    study = open_study(cfg, args)
+    n_distinct = distinct_configurations(cfg, space, args.grid)
+    target = args.trials if n_distinct is None else min(args.trials, n_distinct)
+    with _removed_if_start_fails(args):
+        study = open_study(cfg, args)
+        start_complete = counts(study)[0]
     evaluator = Evaluator(cfg)
-    reference = _reference_throughput(cfg, study, space, evaluator)
     t0 = time.perf_counter()
-    start_complete = counts(study)[0]
+    bar = _Progress(study, target, start_complete, t0, progress)
     if args.workers == 1:
-        bar = _Progress(study, args.trials, start_complete, t0, progress)
-        run_worker(study, args.storage, args.trials, make_objective(cfg, evaluator, space, args.grid, reference),
-                   on_done=bar.update)
-        bar.close()
+        _work(cfg, args, study, evaluator, target, on_done=bar.update)
     else:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker_main, args=(cfg, args), daemon=False) for _ in range(args.workers)]
-        for p in procs:
-            p.start()
-        bar = _Progress(study, args.trials, start_complete, t0, progress)
-        while any(p.is_alive() for p in procs):
-            bar.update()
-            time.sleep(0.5)
-        bar.update()
-        bar.close()
-        failed = [p.exitcode for p in procs if p.exitcode != 0]
-        if failed:
-            raise RuntimeError(f"{len(failed)} sweep worker(s) failed (exit codes {failed})")
+        _run_processes(cfg, args, target, evaluator, bar)
+    bar.close()
     wall = time.perf_counter() - t0
-    return finish(cfg, args, study, evaluator, wall, counts(study)[0] - start_complete)
+    res = finish(cfg, args, study, lambda: evaluator, wall, counts(study)[0] - start_complete)
+    res.update(asked=args.trials, distinct=n_distinct)
+    return res
+
+
+def _run_processes(cfg: DflashConfig, args: SweepArgs, target: int, evaluator: Evaluator, bar: _Progress) -> None:
+    method = _start_method()
+    ctx = mp.get_context(method)
+    inherit = evaluator if method == "fork" else None
+    procs = [ctx.Process(target=_worker_main, args=(cfg, args, target, os.getpid(), inherit), daemon=False)
+             for _ in range(args.workers)]
+    for p in procs:
+        p.start()
+    bar.start()
+    while alive := [p.sentinel for p in procs if p.is_alive()]:
+        mp_connection.wait(alive, timeout=0.5)
+        bar.update()
+    failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"{len(failed)} sweep worker(s) failed (exit codes {failed})")
+
+
+@contextlib.contextmanager
+def _removed_if_start_fails(args: SweepArgs) -> Iterator[None]:
+    """On a ConfigError, remove the output directory and storage files this start created."""
+    made = [p for p in (args.out, storage_file(args.storage), *lock_files(args.storage, args.study))
+            if p is not None and not p.exists()]
+    try:
+        yield
+    except ConfigError:
+        for p in reversed(made):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.exists():
+                p.unlink()
+        raise
 
 
 class _Progress:
-    """Trials done, trials per second and the current front size."""
+    """Trials done, trials per second and the current front size; reads the storage only when shown."""
 
     def __init__(self, study: optuna.Study, target: int, start: int, t0: float, enabled: bool) -> None:
-        from tqdm import tqdm
-
-        self.study, self.t0, self.start = study, t0, start
-        self.bar = tqdm(total=target, initial=start, desc="trials", unit="trial", disable=not enabled,
-                        dynamic_ncols=True)
+        self.study, self.t0, self.start_n, self.enabled, self.target = study, t0, start, enabled, target
+        self.bar: Any = None
         self._front_t, self._front = -1e9, 0
+
+    def start(self) -> None:
+        """Create the bar (tqdm starts a monitor thread, so never before the workers are forked)."""
+        if self.enabled and self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.target, initial=self.start_n, desc="trials", unit="trial",
+                            dynamic_ncols=True)
 
     def update(self) -> None:
         """Trials done on every call; the front size (a quadratic pass) at most every 2 s."""
+        if not self.enabled:
+            return
+        self.start()
         now = time.perf_counter()
         trials = complete_trials(self.study)
         if now - self._front_t >= 2.0 or len(trials) >= self.bar.total:
             self._front_t, self._front = now, len(feasible_front(trials))
-        rate = (len(trials) - self.start) / max(now - self.t0, 1e-9)
+        rate = (len(trials) - self.start_n) / max(now - self.t0, 1e-9)
         self.bar.n = len(trials)
         self.bar.set_postfix(trials_per_s=f"{rate:.2f}", front=self._front, refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
-def finish(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: Evaluator, wall_s: float,
-           new_trials: int) -> dict[str, Any]:
-    """Front, importances, grid table, selection file and Parquet export."""
+def finish(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: Callable[[], Evaluator],
+           wall_s: float, new_trials: int) -> dict[str, Any]:
+    """Front, importances, grid table, selection file and Parquet export.
+
+    The trial table is written first; with no feasible trial there is nothing to select, so
+    :class:`NoFeasibleTrial` is raised and no selection file is written.
+    """
     trials = complete_trials(study)
     objective_names = list(OBJECTIVES) if len((trials and trials[0].values) or [0, 0]) == 2 else ["mix_efficiency"]
     ok = [t for t in trials if feasible(t)]
+    parquet = _write_trials_table(study, args, objective_names)
+    if not ok:
+        raise NoFeasibleTrial(trials, parquet)
     front = feasible_front(trials)
     top = select_top_k(study, cfg.sweep.top_k)
-    named = {name: evaluator.evaluate(effective_queue(cfg.queue, params)) for name, params in NAMED.items()}
+    named = named_evaluations(cfg, study, evaluator)
     configs = [{**entry, "predicted": _predicted(t)} for entry, t in zip(tuned_entries(top), top, strict=True)]
     for name, ev in named.items():
         configs.append({"name": name, "trial": None, "params": NAMED[name], "queue": ev.queue,
@@ -218,22 +388,44 @@ def finish(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: E
         "study": args.study, "storage": args.storage, "rule": "knee of the feasible Pareto front "
         "(smallest norm of the relative shortfalls 1 - value/best of both objectives), then the other "
         "front points by that score; baseline and handpicked always included", "objectives": objective_names,
-        "seeds": list(evaluator.seeds), "sim_seconds": evaluator.sim_seconds, "calibration": args.calibration,
+        "seeds": list(named["baseline"].seeds), "sim_seconds": cfg.sweep.sim_seconds, "calibration": args.calibration,
         "configs": configs, "importances": imps,
         "reference_throughput": study.user_attrs.get("reference_throughput"),
     }
     sel_path = write_selection(args.out / "selection.json", clean_json(selection))
-    df = study.trials_dataframe(attrs=("number", "value" if len(objective_names) == 1 else "values",
-                                       "params", "user_attrs", "state", "duration"))
-    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
-    df["feasible"] = [by_number[n].state == TrialState.COMPLETE and feasible(by_number[n]) for n in df["number"]]
-    parquet = args.out / "trials.parquet"
-    df.to_parquet(parquet, index=False)
     return {"study": study, "front": front, "top": top, "named": named, "importances": imps,
             "selection": sel_path, "parquet": parquet, "wall_s": wall_s, "new_trials": new_trials,
             "complete": len(trials), "feasible": len(ok),
             "failed": sum(t.state == TrialState.FAIL for t in study.get_trials(deepcopy=False)),
             "objective_names": objective_names}
+
+
+def _write_trials_table(study: optuna.Study, args: SweepArgs, objective_names: list[str]) -> Path:
+    """Every trial (duplicates too, as PRUNED with ``duplicate_of``) with its feasibility, as Parquet."""
+    df = study.trials_dataframe(attrs=("number", "value" if len(objective_names) == 1 else "values",
+                                       "params", "user_attrs", "state", "duration"))
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    df["feasible"] = [by_number[n].state == TrialState.COMPLETE and feasible(by_number[n]) for n in df["number"]]
+    args.out.mkdir(parents=True, exist_ok=True)
+    parquet = args.out / "trials.parquet"
+    df.to_parquet(parquet, index=False)
+    return parquet
+
+
+class NoFeasibleTrial(Exception):
+    """The study holds no feasible trial, so there is no configuration to select."""
+
+    def __init__(self, trials: list[optuna.trial.FrozenTrial], parquet: Path) -> None:
+        violated: dict[str, int] = {}
+        for t in trials:
+            for name, value in t.constraints.items():
+                if value > 0:
+                    violated[name] = violated.get(name, 0) + 1
+        why = ", ".join(f"{name} in {n}" for name, n in sorted(violated.items())) or "none recorded"
+        super().__init__(f"no feasible configuration among {len(trials)} complete trials (constraints violated: "
+                         f"{why}); no selection written (relax [sweep] memory_budget_gib, max_gate_wait_frac or "
+                         f"min_throughput_frac, or widen [sweep.space]); trials table: {parquet}")
+        self.parquet = parquet
 
 
 def _predicted(t: optuna.trial.FrozenTrial) -> dict[str, dict[str, Any]]:
@@ -244,6 +436,9 @@ def _predicted(t: optuna.trial.FrozenTrial) -> dict[str, dict[str, Any]]:
 def format_result(res: dict[str, Any], grid: bool, cfg: DflashConfig) -> str:
     lines = [f"study: {res['complete']} complete trials ({res['feasible']} feasible, {res['failed']} failed); "
              f"{res['new_trials']} run now in {res['wall_s']:.1f} s"]
+    if res.get("distinct") is not None and res["distinct"] < res["asked"]:
+        lines.append(f"the space holds only {res['distinct']} distinct configurations (min_ready clamped to "
+                     f"max_depth), so the study stops there instead of at {res['asked']} trials")
     if grid:
         lines.append(format_grid(res["study"], cfg))
     else:

@@ -10,14 +10,19 @@ with the validated, frozen config. Any bad input on that path is one line on std
 
 (``<key>: ...`` for a key no flag of the verb sets, ``<flag>: ...`` for a pure flag) and exit
 status 2, before anything is written. A handler may raise :class:`~dflash.core.errors.ConfigError`
-for inputs it validates itself (before writing anything); it is reported the same way.
+for inputs it validates itself; it is reported the same way, and any output path of the verb's
+``outfile``/``outdir`` flags that did not exist before the handler ran is removed again
+(:func:`removed_on_bad_input`), so a refused start leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from dflash import __version__
@@ -124,6 +129,38 @@ def error_line(prog: str, exc: ConfigError, flag_for_key: dict[str, str]) -> str
     return one_line(f"{prog}: error: {head}: {exc.allowed}{got}")
 
 
+def new_outputs(verb: Verb, args: argparse.Namespace) -> list[Path]:
+    """The outermost missing path of each output flag (what a handler's ``mkdir(parents=True)``
+    or first write would create), before the handler runs."""
+    paths = []
+    for opt in verb.all_opts():
+        value = getattr(args, opt.dest, None)
+        if opt.kind not in ("outfile", "outdir") or not value:
+            continue
+        for v in value if opt.repeat else (value,):
+            p = Path(v).absolute()
+            if p.exists():
+                continue
+            while not p.parent.exists():
+                p = p.parent
+            paths.append(p)
+    return paths
+
+
+@contextlib.contextmanager
+def removed_on_bad_input(paths: list[Path]) -> Iterator[None]:
+    """A handler that refuses its input (ConfigError) leaves no output behind that it created."""
+    try:
+        yield
+    except ConfigError:
+        for p in paths:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        raise
+
+
 def one_line(text: str) -> str:
     return " ".join(text.split())
 
@@ -149,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if extras:
             raise UsageError(prog, f"unrecognized arguments: {' '.join(extras)}")
         cfg = validate(verb_name, args)
-        return HANDLERS[verb_name](args, cfg)
+        with removed_on_bad_input(new_outputs(VERBS[verb_name], args)):
+            return HANDLERS[verb_name](args, cfg)
     except UsageError as exc:
         where = exc.prog if exc.prog != PROG else _prog_from_argv(argv)
         print(one_line(f"{where}: error: {exc}"), file=sys.stderr)

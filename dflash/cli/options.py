@@ -7,6 +7,7 @@ rows; :mod:`dflash.cli.command` builds argparse from them and validates. Torch-f
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,9 @@ class Opt:
     error names the key and this flag). ``key`` None: a pure flag, checked here by ``kind``.
     Kinds: ``int``/``float`` (pure: ``>= lo`` resp. ``> lo``), ``str`` (non-empty),
     ``choice``, ``devices`` (comma-separated list), ``switch`` (store_true; with a key it sets
-    ``value``), ``infile``/``indir``/``inpath`` (must exist), ``outfile``/``outdir`` (must not be
-    the wrong kind of existing thing).
+    ``value``), ``infile``/``indir``/``inpath`` (must exist), ``outfile``/``outdir`` (writable
+    before any work: :func:`check_out_path`; a path this invocation creates is removed again if
+    the verb then fails on bad input, see :mod:`dflash.cli.command`).
     """
 
     flag: str  # "--n-target", or a positional's name ("RUN_DIR")
@@ -112,10 +114,37 @@ def check_pure(opt: Opt, value: Any) -> None:
                 "inpath": "an existing file or directory"}[kind]
         if not value or not ok:
             raise ConfigError(flag, f"must be {what}", value)
-    elif kind == "outfile" and (not value or Path(value).is_dir()):
-        raise ConfigError(flag, "must be a file path (not a directory)", value)
-    elif kind == "outdir" and (not value or (Path(value).exists() and not Path(value).is_dir())):
-        raise ConfigError(flag, "must be a directory path (not an existing file)", value)
+    elif kind in ("outfile", "outdir"):
+        check_out_path(flag, value, kind)
+
+
+def check_out_path(flag: str, value: str, kind: str, shown: str | None = None) -> None:
+    """An output path can be written before any work is done; writes nothing.
+
+    ``outfile``: not a directory; an existing file must be writable. ``outdir``: not an existing
+    non-directory; an existing directory must be writable. A path that does not exist yet: its
+    nearest existing ancestor must be a directory this user can write into (so a parent that is a
+    file, or a read-only parent, is refused here and not after the work).
+    """
+    got = shown if shown is not None else value
+    if not value:
+        raise ConfigError(flag, "must not be empty", got)
+    p = Path(value)
+    if p.exists():
+        if kind == "outfile" and p.is_dir():
+            raise ConfigError(flag, "must be a file path (not a directory)", got)
+        if kind == "outdir" and not p.is_dir():
+            raise ConfigError(flag, "must be a directory path (not an existing file)", got)
+        if not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0)):
+            raise ConfigError(flag, "is not writable by this user", got)
+        return
+    parent = p.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(flag, f"cannot be created: {parent} is a file, not a directory", got)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(flag, f"cannot be created: {parent} is not writable", got)
 
 
 def config_value(opt: Opt, value: Any) -> Any:

@@ -14,8 +14,19 @@ def load_run_config(run: Path) -> DflashConfig:
     path = run / "config.json"
     if not path.is_file():
         raise ConfigError("RUN_DIR", "must be a dflash train run directory (it has no config.json)", str(run))
-    data = json.loads(path.read_text())
-    return config_from_dict({k: v for k, v in data.items() if v is not None})
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError("RUN_DIR", f"has a config.json that cannot be read as JSON ({type(exc).__name__}); "
+                          "the run directory is damaged", str(run)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("RUN_DIR", "has a config.json that is not a JSON object; the run directory is damaged",
+                          str(run))
+    try:
+        return config_from_dict({k: v for k, v in data.items() if v is not None})
+    except (ValueError, TypeError, AttributeError) as exc:  # ConfigError is a ValueError
+        why = exc.line() if isinstance(exc, ConfigError) else type(exc).__name__
+        raise ConfigError("RUN_DIR", f"has a config.json that is not a valid config ({why})", str(run)) from None
 
 
 def trained_conversation_ids(run_dir: Path, cfg: DflashConfig) -> set[str]:

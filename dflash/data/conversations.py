@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,10 @@ class ParseStats:
     broken: int = 0
     skipped: int = 0
     kept: int = 0
+
+    def describe(self) -> str:
+        return (f"{self.records} records: {self.kept} kept, {self.broken} damaged, "
+                f"{self.skipped} skipped by the sample rule")
 
 
 # --------------------------------------------------------------------------- locating the data
@@ -232,11 +237,19 @@ def load_conversations(path: str | Path, sample: str = "conversation",
     (records without an assistant turn are skipped); ``"first_exchange"`` keeps only records that
     open with a user turn followed by an assistant turn, and only those two turns.
     ``max_conversations``: stop after that many kept conversations (a prefix of the file).
-    The file is read once; damaged records are counted in the stats, never raised.
+    The file is read once; damaged records are counted in the stats (and their number printed on
+    stderr), never raised. A file with no usable conversation (empty, all damaged, or none that
+    fits ``sample``) is a :class:`ConfigError` naming ``workload.dataset``: nothing can train on it.
     """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise ConfigError("workload.dataset", f"cannot read {p}: {exc.strerror or exc}", str(path)) from None
-    return parse_conversations(text, sample, max_conversations)
+    convs, stats = parse_conversations(text, sample, max_conversations)
+    if not convs:
+        raise ConfigError("workload.dataset", f"has no usable conversations for sample = {sample!r} "
+                          f"({stats.describe()})", str(path))
+    if stats.broken:
+        print(f"dflash: {p.name}: {stats.broken} damaged record(s) skipped ({stats.describe()})", file=sys.stderr)
+    return convs, stats

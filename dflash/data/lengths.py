@@ -92,6 +92,9 @@ def _hash(obj: Any, n: int = 20) -> str:
 
 # --------------------------------------------------------------------------- atomic writes
 # --------------------------------------------------------------------------- tokenizer
+MODEL_DIR_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")  # one of them marks a model dir
+
+
 def resolve_model(model: str) -> tuple[Path | None, Path]:
     """``target.model`` -> (the GGUF file if it names one, the path form of the string).
 
@@ -106,6 +109,9 @@ def resolve_model(model: str) -> tuple[Path | None, Path]:
         return p.resolve(), p
     if p.is_file():
         raise ConfigError("target.model", "must be 'smollm2', a directory, a hub id or a .gguf path", model)
+    if p.is_dir() and not any((p / name).is_file() for name in MODEL_DIR_FILES):
+        raise ConfigError("target.model", f"is a directory with no model in it (none of {', '.join(MODEL_DIR_FILES)}; "
+                          "expected a transformers checkpoint directory)", model)
     return None, p
 
 
@@ -349,12 +355,7 @@ def cached_lengths(workload: WorkloadConfig, model: str = "smollm2", cache_dir: 
     if table is not None:
         return table
 
-    convs, stats = load_conversations(data_path, sample, max_conv)
-    if not convs:
-        raise ConfigError("workload.dataset",
-                          f"has no usable conversations for sample = {sample!r} "
-                          f"({stats.records} records, {stats.broken} broken, {stats.skipped} skipped)",
-                          workload.dataset)
+    convs, stats = load_conversations(data_path, sample, max_conv)  # none usable: a one-line ConfigError
     if tok is None:
         tok = load_tokenizer(model, cache.dir)
         fresh = tokenizer_identity(tok, model)

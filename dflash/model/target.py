@@ -149,6 +149,20 @@ def _load_pretrained(path_or_id: str, dtype: torch.dtype, local: bool) -> nn.Mod
     return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=local)
 
 
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.pt")
+
+
+def check_model_dir(p: Path, model: str) -> None:
+    """A local checkpoint directory the loader can use: a ``config.json`` and at least one weights
+    file. Anything else is one line naming ``target.model``, before transformers sees it."""
+    if not (p / "config.json").is_file():
+        raise ConfigError("target.model", "is a directory without config.json (expected a transformers checkpoint "
+                          "directory)", model)
+    if not any(next(p.glob(pattern), None) is not None for pattern in WEIGHT_PATTERNS):
+        raise ConfigError("target.model", f"is a directory without weights (none of {', '.join(WEIGHT_PATTERNS)})",
+                          model)
+
+
 def load_target(model: str = "smollm2", device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None) -> LoadedTarget:
     """Load the target frozen, in eval mode, on ``device`` in ``dtype``, with its tokenizer.
@@ -187,6 +201,7 @@ def load_target(model: str = "smollm2", device: str | torch.device = "cpu",
         source = str(gguf)
         tokenizer = load_tokenizer(model, root)
     elif p.is_dir():
+        check_model_dir(p, model)
         net = _load_pretrained(str(p), dtype, local=True)
         source = str(p.resolve())
         tokenizer = load_tokenizer(str(p), root)

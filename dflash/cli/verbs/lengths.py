@@ -22,6 +22,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     longer = sum(n > w.max_len for n in table.lengths)
     print(f"length table: {total} sequences, {sum(table.lengths)} tokens untruncated "
           f"(dataset {w.dataset}, sample {w.sample}, tokenizer {cfg.target.model}, key {table.key})")
+    print(f"records read: {table.stats.describe()}")
     print(f"bucket shares of sequences (max_len {w.max_len}; {longer} longer, truncated into the last):")
     lo = 0
     for hi, c in zip(w.bucket_bounds, counts, strict=True):

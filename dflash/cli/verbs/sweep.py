@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from dflash.cli.options import CALIBRATION, Opt, Verb
 from dflash.core.config import DflashConfig
@@ -11,17 +12,35 @@ from dflash.core.config import DflashConfig
 
 def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     """An Optuna study over the simulator (tuning/)."""
+    from dflash.cli.command import one_line
     from simulator.calibration import apply_calibration
-    from tuning.sweep import format_result, run_sweep, sweep_args
+    from tuning.sweep import NoFeasibleTrial, format_result, run_sweep, sweep_args
 
     cfg = apply_calibration(cfg, args.calibration)
     sargs = sweep_args(args, cfg)
-    res = run_sweep(cfg, sargs, progress=sys.stderr.isatty())
+    try:
+        res = run_sweep(cfg, sargs, progress=sys.stderr.isatty())
+    except NoFeasibleTrial as exc:  # the study is kept (it is real work); there is nothing to select
+        print(one_line(f"dflash sweep: error: {exc}"), file=sys.stderr)
+        return 2
     print(format_result(res, sargs.grid, cfg))
     return 0
 
 
-VERB = Verb("Optuna study over the simulator", queue_flags=True, opts=(
+def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
+    """The storage is reachable and, if new, creatable before any work (a file URL is an output path)."""
+    if not args.storage:
+        return
+    from dflash.cli.options import check_out_path
+    from tuning.study import check_storage, storage_file
+
+    path = storage_file(args.storage)
+    if path is not None and "://" not in args.storage.removeprefix("sqlite:///"):
+        check_out_path("--storage", str(path), "outfile", shown=args.storage)
+    check_storage(args.storage)
+
+
+VERB = Verb("Optuna study over the simulator", queue_flags=True, check=_check, opts=(
         Opt("--trials", "int", "complete trials in the study, all workers together (>= 1)", lo=1,
             metavar="N"),
         Opt("--storage", "str", "Optuna storage URL (default: a local storage)", metavar="URL"),
@@ -30,5 +49,5 @@ VERB = Verb("Optuna study over the simulator", queue_flags=True, opts=(
         Opt("--grid", "switch", "grid search instead of the configured sampler", key="sweep.sampler",
             value="grid"),
         CALIBRATION,
-        Opt("--out", "outdir", "output directory", metavar="DIR"),
+        Opt("--out", "outdir", "output directory (default: sweep-out)", default="sweep-out", metavar="DIR"),
     ))
