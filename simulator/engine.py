@@ -80,10 +80,11 @@ class SimHSQueue(BaseResource):
 
     def __init__(self, env: simpy.Environment, core: QueueCore,
                  on_take: Callable[[QueueGet, list[QueueItem], str, int, tuple[int, ...]], None]
-                 | None = None) -> None:
+                 | None = None, on_put: Callable[[QueueItem], None] | None = None) -> None:
         super().__init__(env, math.inf)
         self.core = core
         self.on_take = on_take
+        self.on_put = on_put  # told of every put as the queue decides it (streaming metrics)
         self._puts_scheduled = False
         self._takes_scheduled = False
         self._ending: dict[float, int] = {}  # compute end time -> computes ending then
@@ -103,6 +104,8 @@ class SimHSQueue(BaseResource):
         if (not self.put_queue and not self._puts_scheduled and self._alone_at_this_instant()
                 and core.fits(item)):
             core.put(item, self._env._now)  # type: ignore[attr-defined]
+            if self.on_put is not None:
+                self.on_put(item)
             if self.get_queue:
                 self._trigger_get(None)
             return 0.0
@@ -208,6 +211,8 @@ class SimHSQueue(BaseResource):
                 core.unblock(event.index)
             now = self._env._now  # type: ignore[attr-defined]
             core.put(event.item, now)
+            if self.on_put is not None:
+                self.on_put(event.item)
             event.succeed(now - event.t_request)
             return True
         core.block(event.index, event.item.nbytes)

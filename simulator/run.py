@@ -2,9 +2,14 @@
 
 Producers draw items from the trainer's sampler, "compute" them for the target time model, and
 put them (blocking after service at the cap). Drafters take through the policy and "train" for the
-drafter time model; synchronised drafters wait for the slowest at the end of every step. Both write
-DESIGN.md's records (in memory; to disk with ``records_dir``), and metrics come from those records
-through :func:`dflash.core.runmetrics.run_metrics`, the function the trainer's records go through too.
+drafter time model plus the move of the item's hidden states from its producer (per byte, within a
+node or across nodes); synchronised drafters wait for the slowest at the end of every step, then
+for the DDP all-reduce of the drafter's gradient.
+
+Metrics are streamed (:class:`simulator.stream.StreamMetrics`): memory does not grow with simulated
+time. Asked for (``keep_records``, ``records_dir``, or a loss model that replays the take order),
+the run also keeps DESIGN.md's records, in memory and on disk, whose metrics
+:func:`dflash.core.runmetrics.run_metrics` (the trainer's function) computes the same.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +25,13 @@ from typing import Any
 import simpy
 
 from dflash.core.config import DflashConfig
+from dflash.core.memory_model import allreduce_seconds, bytes_per_token, fullest_device_bytes
 from dflash.core.queue_core import QueueCore, QueueItem
 from dflash.core.records import SCHEMA_VERSION, RecordWriter
-from dflash.core.runmetrics import RunTrace, run_metrics
+from dflash.core.runmetrics import RunTrace
 from dflash.core.sampler import Sampler
 from simulator.engine import QueueGet, SimHSQueue, TakeRequest, item_stream
+from simulator.stream import StreamMetrics
 from simulator.timing import DrafterTime, TargetTime, anchors_for
 
 
@@ -35,6 +43,7 @@ class SimResult:
     item_mix: list[float] = field(default_factory=list)
     bucket_bounds: tuple[int, ...] = ()
     wall_s: float = 0.0
+    series: dict[str, list[Any]] = field(default_factory=dict, repr=False)  # downsampled, for plots
 
     @property
     def produce(self) -> list[dict[str, Any]]:
@@ -50,10 +59,13 @@ class SimResult:
 
 
 def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_items: int | None = None,
-             max_steps: int | None = None, records_dir: str | Path | None = None, run_id: str | None = None
-             ) -> SimResult:
+             max_steps: int | None = None, records_dir: str | Path | None = None, run_id: str | None = None,
+             keep_records: bool = False, progress: Callable[[float], None] | None = None) -> SimResult:
     """Run the pipeline for ``sim_seconds`` simulated seconds (or until ``max_items`` are drained, or
-    ``max_steps`` drafter steps are done: the trainer's ``--max-steps`` stop, for like-for-like budgets)."""
+    ``max_steps`` drafter steps are done: the trainer's ``--max-steps`` stop, for like-for-like budgets).
+
+    ``keep_records`` keeps every produce and take record (``records_dir`` writes them too);
+    ``progress`` is called with the simulated time every 1/200 of ``sim_seconds``."""
     wall0 = time.perf_counter()
     env = simpy.Environment()
     q = cfg.queue
@@ -64,53 +76,74 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     seed_rng = random.Random(cfg.seed + 7919)
     target_time = TargetTime(cfg.timing, random.Random(seed_rng.random()))
     drafter_time = DrafterTime(cfg.timing, random.Random(seed_rng.random()))
-    bytes_per_token = cfg.target.capture_layers * cfg.timing.hidden_size * cfg.timing.dtype_bytes
-    prompts = sampler.prompt_lengths
-    seq_anchors = [anchors_for([n], cfg.timing, cfg.drafter, None if prompts is None else [prompts[k]])
-                   for k, n in enumerate(sampler.lengths)]
+    bpt = bytes_per_token(cfg)
+    seq_anchors = _sequence_anchors(cfg, sampler)
+    move_s = _transfer_s_per_byte(cfg)  # [producer][drafter]
+    allreduce_s = allreduce_seconds(cfg, n_drafter) if sync else 0.0
 
+    records = keep_records or records_dir is not None or cfg.loss_model.fitted
     trace = RunTrace()
     produce_rows, take_rows = trace.produce_rows, trace.take_rows  # field orders: dflash.core.runmetrics
-    item_shape: dict[str, tuple[int, int, int]] = {}  # id -> (real_tokens, n_seqs, anchors)
+    stream = StreamMetrics(p=mix, min_ready=q.min_ready, window=cfg.metrics.window, warmup_s=cfg.metrics.warmup_s,
+                           n_target=n_target, n_drafter=n_drafter, n_buckets=sampler.n_buckets)
+    stream_put, stream_take, stream_produced = stream.put, stream.take, stream.produced
     held: dict[int, list[QueueItem]] = {}  # drafter -> items in its current step
     blocked: dict[int, QueueItem] = {}  # producer -> item held at the cap
     held_since: dict[int, float] = {}  # producer -> when it finished the item it holds
     producing: dict[int, float] = {}  # producer -> when it started the item it computes
+    resident = [0] * n_target  # hidden-state bytes each producer holds (queued or at the cap)
+    peaks = [0, 0]  # the most bytes one producer held, the most one take held
+
+    def on_put(item: QueueItem) -> None:
+        stream_put(env._now, item.item_id, item.bucket, item.nbytes)  # type: ignore[attr-defined]
 
     def on_take(ev: QueueGet | TakeRequest, items: list[QueueItem], reason: str, depth_before: int,
                 bucket_depths: tuple[int, ...]) -> None:
-        now = env.now
-        tokens = n_seqs = anchors = 0
+        now = env._now  # type: ignore[attr-defined]
+        tokens = n_seqs = anchors = nbytes = 0
+        move = 0.0
+        per_drafter = ev.index
         for it in items:
-            rt, ns, an = item_shape[it.item_id]
-            tokens += rt
-            n_seqs += ns
+            w, an = it.payload
+            tokens += it.real_tokens
+            n_seqs += it.n_seqs
             anchors += an
-        compute = ev.compute_s = drafter_time(tokens, anchors)
-        take_rows.append((now, ev.index, ev.step, [it.item_id for it in items], items[0].bucket,
-                          now - ev.t_request, depth_before, bucket_depths, reason, compute, tokens,
-                          n_seqs, anchors))
+            nbytes += it.nbytes
+            resident[w] -= it.nbytes
+            move += it.nbytes * move_s[w][per_drafter]
+        if nbytes > peaks[1]:
+            peaks[1] = nbytes
+        compute = ev.compute_s = drafter_time(tokens, anchors) + move
+        wait = now - ev.t_request
+        stream_take(now, [(it.item_id, it.padded_len, it.nbytes) for it in items], items[0].bucket, wait,
+                    compute, tokens, n_seqs, depth_before, bucket_depths)
+        if records:
+            take_rows.append((now, ev.index, ev.step, [it.item_id for it in items], items[0].bucket, wait,
+                              depth_before, bucket_depths, reason, compute, tokens, n_seqs, anchors))
 
-    queue = SimHSQueue(env, core, on_take)
-    stream = item_stream(sampler.iter_items(), max_items)
+    queue = SimHSQueue(env, core, on_take, on_put)
+    specs = item_stream(sampler.iter_items(), max_items)
     producers_left = [n_target]
 
     def producer(w: int) -> Any:
-        for spec in stream:
+        for spec in specs:
             t0 = producing[w] = env.now
             yield queue.compute(target_time(spec.n_seqs, spec.padded_len, t0))
             del producing[w]
             t1 = env.now
-            nbytes = spec.n_seqs * spec.padded_len * bytes_per_token
-            item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len,
-                             nbytes)
-            item_shape[spec.item_id] = (spec.real_tokens, spec.n_seqs,
-                                        sum(map(seq_anchors.__getitem__, spec.seq_indices)))
+            nbytes = spec.n_seqs * spec.padded_len * bpt
+            item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len, nbytes,
+                             (w, sum(map(seq_anchors.__getitem__, spec.seq_indices))))
+            resident[w] += nbytes
+            if resident[w] > peaks[0]:
+                peaks[0] = resident[w]
             blocked[w], held_since[w] = item, t1
             blocked_s = yield from queue.put_item(item, w)
             del blocked[w], held_since[w]
-            produce_rows.append((t1, spec.item_id, w, spec.bucket, spec.n_seqs, spec.real_tokens,
-                                 spec.padded_len, t0, t1, blocked_s, nbytes))
+            stream_produced(t0, t1, t1 + blocked_s)
+            if records:
+                produce_rows.append((t1, spec.item_id, w, spec.bucket, spec.n_seqs, spec.real_tokens,
+                                     spec.padded_len, t0, t1, blocked_s, nbytes))
         producers_left[0] -= 1
         if producers_left[0] == 0:
             queue.close()
@@ -130,9 +163,9 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
 
     def synchronised_drafters() -> Any:
         """drafter_sync = "step": every drafter takes (in index order, each re-checking the gate)
-        and computes from the moment it gets its items; the step ends with the slowest. One
-        process for all drafters: the same decisions as one process each behind a barrier, with
-        a fraction of the events."""
+        and computes from the moment it gets its items; the step ends with the slowest, then the
+        gradient all-reduce. One process for all drafters: the same decisions as one process each
+        behind a barrier, with a fraction of the events."""
         while True:
             step, t_step = step_no[0], env.now
             finish = t_step
@@ -145,7 +178,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
                     finish = max(finish, env.now + request.compute_s)
             if not held:
                 return  # producers closed and the queue is drained
-            yield queue.compute(finish - env.now)
+            yield queue.compute(finish + allreduce_s - env.now)
             for d in list(held):
                 trained[0] += len(held.pop(d))
             step_no[0] += 1
@@ -173,7 +206,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     else:
         for d in range(n_drafter):
             env.process(independent_drafter(d))
-    env.run(until=env.any_of([budget_done, env.timeout(sim_seconds)]) if max_steps is not None else sim_seconds)
+    _run(env, sim_seconds, budget_done if max_steps is not None else None, progress)
     close_t = min(env.now, sim_seconds)
 
     # Stop: queued items and items held at the cap are discarded; steps in progress complete.
@@ -183,9 +216,9 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
                 "gate_open_at_stop": core.gate() is not None}
     core.discard_all()
     summary = {
-        "produced": len(produce_rows) + len(blocked), "trained": trained[0] + in_steps,
+        "produced": sum(core.counters.produced) + len(blocked), "trained": trained[0] + in_steps,
         "discarded_at_stop": queued_at_stop + len(blocked), "replayed": 0,
-        "takes": len(take_rows), "steps": step_no[0], "stranded": stranded,
+        "takes": core.counters.takes, "steps": step_no[0], "stranded": stranded,
         "drained": core.closed and queued_at_stop == 0,
     }
     open_intervals = {  # work in progress at the close, which no record shows yet
@@ -194,16 +227,48 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
         "drafter_wait": [(t, close_t) for t in waiting.values()],
     }
     summary["open_intervals"] = open_intervals  # in the summary record, so records alone give the metrics
-    metrics = run_metrics(trace, p=mix, min_ready=q.min_ready, window=cfg.metrics.window,
-                          open_intervals=open_intervals, warmup_s=cfg.metrics.warmup_s, close_t=close_t,
-                          n_target=n_target,
-                          n_drafter=n_drafter, n_buckets=sampler.n_buckets)
+    metrics = stream.finish(close_t, open_intervals)
     metrics.update(predicted_roughness(cfg, trace))
-    result = SimResult(metrics, summary, trace, mix, sampler.bounds,
-                       time.perf_counter() - wall0)
+    metrics.update(peak_producer_bytes=peaks[0], peak_drafter_bytes=peaks[1],
+                   peak_device_bytes=fullest_device_bytes(cfg, n_target=n_target, producer_bytes=peaks[0],
+                                                          drafter_bytes=peaks[1]))
+    series = {"depth": stream.depth_series.points, "windows": stream.window_series.points}
+    result = SimResult(metrics, summary, trace, mix, sampler.bounds, time.perf_counter() - wall0, series)
     if records_dir is not None:
         write_records(result, records_dir, run_id or f"sim-{uuid.uuid4().hex[:8]}", close_t)
     return result
+
+
+def _run(env: simpy.Environment, sim_seconds: float, budget_done: Any, progress: Callable[[float], None] | None
+         ) -> None:
+    """Run to ``sim_seconds`` (or the step budget), telling ``progress`` of the simulated time."""
+    if budget_done is not None:
+        env.run(until=env.any_of([budget_done, env.timeout(sim_seconds)]))
+        return
+    if progress is None:
+        env.run(until=sim_seconds)
+        return
+    chunks = 200
+    for k in range(1, chunks + 1):
+        env.run(until=sim_seconds * k / chunks)
+        progress(env.now)
+
+
+def _sequence_anchors(cfg: DflashConfig, sampler: Sampler) -> list[int]:
+    prompts = sampler.prompt_lengths
+    return [anchors_for([n], cfg.timing, cfg.drafter, None if prompts is None else [prompts[k]])
+            for k, n in enumerate(sampler.lengths)]
+
+
+def _transfer_s_per_byte(cfg: DflashConfig) -> list[list[float]]:
+    """Seconds per byte from producer ``w`` to drafter ``d``: ranks fill nodes in order, targets
+    first (each target worker on ``gpus_per_target`` GPUs); a move within a node costs the intra
+    rate, across nodes the inter rate."""
+    c, t = cfg.cluster, cfg.timing
+    node = c.gpus_per_node
+    return [[t.transfer_intra_s_per_byte if (w * c.gpus_per_target) // node ==
+             (c.n_target * c.gpus_per_target + d) // node else t.transfer_inter_s_per_byte
+             for d in range(c.n_drafter)] for w in range(c.n_target)]
 
 
 def predicted_roughness(cfg: DflashConfig, trace: RunTrace) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def test_accounting_identity_and_determinism() -> None:
 def test_a_finite_workload_drains_and_trains_everything() -> None:
     cfg = example("h200-target-bound.toml", **{"queue.min_ready": 7, "queue.max_depth": 9})
     sampler = make_sampler(cfg.workload, seed=0)
-    res = simulate(cfg, sampler, sim_seconds=1e6, max_items=50)
+    res = simulate(cfg, sampler, sim_seconds=1e6, max_items=50, keep_records=True)
     s = res.summary
     assert s["drained"] and s["produced"] == s["trained"] == 50 and s["discarded_at_stop"] == 0
     gates = {r["gate"] for r in res.take}

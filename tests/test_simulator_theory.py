@@ -216,7 +216,7 @@ def run_seeds(p: Pipeline, *, sim_seconds: float, warmup_s: float) -> list[SimRe
     seed0 = zlib.crc32(repr((p, sim_seconds)).encode()) % 10**8
     results = []
     for seed in range(seed0, seed0 + R):
-        res = simulate(config(p, seed, warmup_s), SAMPLER, sim_seconds=sim_seconds)
+        res = simulate(config(p, seed, warmup_s), SAMPLER, sim_seconds=sim_seconds, keep_records=True)
         assert res.metrics["steady_state_reached"]
         assert res.metrics["steady_state_start_s"] == pytest.approx(warmup_s)
         results.append(res)
@@ -426,7 +426,7 @@ def test_pipeline_against_ctmc(p: Pipeline, scale: int) -> None:
 # an admitted producer's put, and work still open at the close).
 def test_max_queue_depth_never_exceeds_the_cap() -> None:
     p = Pipeline(lam=1.3, mu=1.0, max_depth=4)  # the producer blocks at the cap often
-    res = simulate(config(p, 0, 10.0), SAMPLER, sim_seconds=200.0)
+    res = simulate(config(p, 0, 10.0), SAMPLER, sim_seconds=200.0, keep_records=True)
     assert max(t["depth_before"] for t in res.take) == p.max_depth  # the queue itself is right
     assert res.metrics["max_queue_depth"] <= p.max_depth
 
@@ -434,7 +434,7 @@ def test_max_queue_depth_never_exceeds_the_cap() -> None:
 def test_drafter_time_fractions_tile_the_span() -> None:
     """One independent drafter is always either computing or waiting at the gate."""
     p = Pipeline(lam=0.2, mu=5.0, max_depth=4)  # the drafter is almost always waiting
-    res = simulate(config(p, 0, 0.0), SAMPLER, sim_seconds=200.0)
+    res = simulate(config(p, 0, 0.0), SAMPLER, sim_seconds=200.0, keep_records=True)
     m = res.metrics
     assert m["drafter_utilization"] + m["drafter_gate_wait_frac"] == pytest.approx(1.0, abs=1e-9)
 
@@ -442,6 +442,6 @@ def test_drafter_time_fractions_tile_the_span() -> None:
 def test_producer_time_fractions_tile_the_span() -> None:
     """One producer is always either computing or blocked at the cap."""
     p = Pipeline(lam=0.2, mu=5.0, max_depth=4)  # the producer is almost always computing
-    res = simulate(config(p, 0, 0.0), SAMPLER, sim_seconds=200.0)
+    res = simulate(config(p, 0, 0.0), SAMPLER, sim_seconds=200.0, keep_records=True)
     m = res.metrics
     assert m["target_utilization"] + m["producer_blocked_frac"] == pytest.approx(1.0, abs=1e-9)

@@ -5,6 +5,11 @@ flag) value. ``min_ready`` and ``max_depth`` are coupled by validity (min_ready 
 trial samples both over their declared ranges and the effective min_ready is clamped to max_depth
 (the sampled and effective values are both stored). Clamping keeps every distribution fixed, which
 Optuna's samplers need, at the price of a plateau where the clamp binds.
+
+The GPU split is a knob too: ``n_target = { low, high }`` (with ``[cluster] gpus = G``) gives each
+trial ``n_target`` target workers of ``gpus_per_target`` GPUs and the rest, ``n_drafter = G -
+n_target x gpus_per_target``, to drafters, so the queue knobs are searched jointly with the split.
+A split that leaves no drafter is not an error: the trial is infeasible (a constraint).
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ from typing import Any
 
 import optuna
 
-from dflash.core.config import GATES, POLICIES, QueueConfig
+from dflash.core.config import GATES, POLICIES, ClusterConfig, QueueConfig
 from dflash.core.errors import ConfigError
 
-INT_KNOBS = {"min_ready": 1, "max_depth": 1, "items_per_take": 1}  # knob -> smallest allowed
+INT_KNOBS = {"min_ready": 1, "max_depth": 1, "items_per_take": 1, "n_target": 1}  # knob -> smallest allowed
+QUEUE_KNOBS = frozenset(QueueConfig.__dataclass_fields__)
 CHOICE_KNOBS = {"policy": POLICIES, "gate": GATES}
 
 DEFAULT_SPACE: dict[str, Any] = {
@@ -62,9 +68,33 @@ class SearchSpace:
         return {"min_ready": 1, "max_depth": max_depth}
 
 
+@dataclass(frozen=True)
+class Split:
+    """How a trial shares the GPUs: target workers and drafter workers."""
+
+    n_target: int
+    n_drafter: int
+
+    @property
+    def feasible(self) -> bool:
+        return self.n_drafter >= 1
+
+    def as_json(self) -> dict[str, int]:
+        return {"n_target": self.n_target, "n_drafter": self.n_drafter}
+
+
+def effective_split(cluster: ClusterConfig, params: dict[str, Any]) -> Split:
+    """The configured split, or the trial's ``n_target`` with the rest of ``cluster.gpus`` as drafters."""
+    if "n_target" not in params:
+        return Split(cluster.n_target, cluster.n_drafter)
+    n_target = int(params["n_target"])
+    assert cluster.gpus is not None  # config validation: n_target in the space needs cluster.gpus
+    return Split(n_target, cluster.gpus - n_target * cluster.gpus_per_target)
+
+
 def effective_queue(base: QueueConfig, params: dict[str, Any]) -> QueueConfig:
     """The queue config a trial runs: base knobs, overridden by the trial's, min_ready clamped."""
-    values = {**base.__dict__, **params}
+    values = {**base.__dict__, **{k: v for k, v in params.items() if k in QUEUE_KNOBS}}
     values["min_ready"] = min(values["min_ready"], values["max_depth"])
     return QueueConfig(**values)
 

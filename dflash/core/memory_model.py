@@ -1,0 +1,151 @@
+"""What one device holds, per role: the per-device memory model behind the sweep's memory
+constraint and the trainer's pre-flight check.
+
+Out-of-memory is the failure public drafter trainers report most, and the queue knobs decide a good
+part of it: every queued item's hidden states stay on the producer that computed them until a
+drafter takes them (DESIGN.md, distributed pipeline). So a device's bytes are
+
+- **target device** (one of a target worker's ``gpus_per_target`` GPUs): the target's weights
+  (sharded evenly) and the hidden states its worker holds: its share of the queue plus the item it
+  computed and holds at the cap. Hidden states are counted on one GPU of the worker (the capture
+  output is not sharded), so that is the fullest GPU.
+- **drafter device**: the drafter's weights, gradients and optimizer state, a frozen copy of the
+  target's embedding and LM head, the hidden states of one take, and the logits of one micro-batch
+  (one item: the trainer runs forward and backward item by item), rows x vocabulary x
+  ``memory.logits_bytes``.
+
+A static check (no simulation) assumes the queue's items spread evenly over producers and that an
+item is as large as the workload allows (``max_len`` per sequence); the simulator passes the peaks
+it saw instead. Sizes not given in ``[memory]`` are not counted and the result says so. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dflash.core.config import DflashConfig
+from dflash.core.errors import ConfigError
+
+GIB = 2**30
+TARGET, DRAFTER = "target", "drafter"
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes one device of a role holds at its peak, by part."""
+
+    role: str
+    parts: tuple[tuple[str, float], ...]
+    not_counted: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> float:
+        return float(sum(b for _, b in self.parts))
+
+    def describe(self) -> str:
+        parts = " + ".join(f"{name} {b / GIB:.1f}" for name, b in self.parts if b > 0) or "nothing counted"
+        return f"a {self.role} device needs {self.total / GIB:.1f} GiB ({parts})"
+
+
+def bytes_per_token(cfg: DflashConfig) -> int:
+    """Hidden-state bytes of one token: captured layers x hidden size x dtype bytes."""
+    return cfg.target.capture_layers * cfg.timing.hidden_size * cfg.timing.dtype_bytes
+
+
+def max_item_bytes(cfg: DflashConfig) -> int:
+    """The largest item the workload can form: every sequence padded to ``max_len``."""
+    w = cfg.workload
+    tokens = w.seqs_per_item * w.max_len if w.seqs_per_item is not None else w.tokens_per_item
+    assert tokens is not None
+    return tokens * bytes_per_token(cfg)
+
+
+def logit_rows(cfg: DflashConfig) -> int:
+    """Rows through the LM head in one micro-batch (one item): anchors x (block size - 1) slots.
+
+    With ``seqs_per_item``: each sequence has at most min(anchors, max_len - B + 1) anchors. With
+    ``tokens_per_item`` the sequence count varies, and an item cannot have more anchors than tokens.
+    """
+    w, d = cfg.workload, cfg.drafter
+    per_seq = min(d.anchors, max(0, w.max_len - d.block_size + 1))
+    anchors = w.seqs_per_item * per_seq if w.seqs_per_item is not None else w.tokens_per_item
+    assert anchors is not None
+    return anchors * (d.block_size - 1)
+
+
+def producer_hidden_bytes(cfg: DflashConfig, n_target: int | None = None) -> float:
+    """A static estimate: an even share of the queue at its cap, plus the item held at the cap."""
+    n = n_target or cfg.cluster.n_target
+    item = max_item_bytes(cfg)
+    queued = cfg.queue.max_depth * item
+    if cfg.queue.max_bytes is not None:
+        queued = min(queued, cfg.queue.max_bytes)
+    return queued / n + item
+
+
+def target_device(cfg: DflashConfig, hidden_bytes: float | None = None, n_target: int | None = None
+                  ) -> DeviceMemory:
+    m = cfg.memory
+    parts: list[tuple[str, float]] = []
+    missing: list[str] = []
+    if m.target_params is not None:
+        parts.append(("weights", m.target_params * m.weight_bytes / cfg.cluster.gpus_per_target))
+    else:
+        missing.append("target weights (memory.target_params)")
+    held = producer_hidden_bytes(cfg, n_target) if hidden_bytes is None else hidden_bytes
+    parts.append(("hidden states", float(held)))
+    return DeviceMemory(TARGET, tuple(parts), tuple(missing))
+
+
+def drafter_device(cfg: DflashConfig, hidden_bytes: float | None = None) -> DeviceMemory:
+    m = cfg.memory
+    parts: list[tuple[str, float]] = []
+    missing: list[str] = []
+    if m.drafter_params is not None:
+        parts += [("weights", m.drafter_params * m.weight_bytes), ("gradients", m.drafter_params * m.weight_bytes),
+                  ("optimizer", m.drafter_params * m.optimizer_bytes_per_param)]
+    else:
+        missing.append("drafter weights and optimizer (memory.drafter_params)")
+    held = cfg.queue.items_per_take * max_item_bytes(cfg) if hidden_bytes is None else hidden_bytes
+    parts.append(("hidden states", float(held)))
+    if m.vocab_size is not None:
+        parts.append(("frozen embedding and head", 2 * m.vocab_size * cfg.timing.hidden_size * m.weight_bytes))
+        parts.append(("logits", float(logit_rows(cfg) * m.vocab_size * m.logits_bytes)))
+    else:
+        missing.append("frozen embedding/head and logits (memory.vocab_size)")
+    return DeviceMemory(DRAFTER, tuple(parts), tuple(missing))
+
+
+def device_memory(cfg: DflashConfig, *, n_target: int | None = None, producer_bytes: float | None = None,
+                  drafter_bytes: float | None = None) -> tuple[DeviceMemory, DeviceMemory]:
+    """(target device, drafter device); hidden-state peaks from a simulation when given."""
+    return target_device(cfg, producer_bytes, n_target), drafter_device(cfg, drafter_bytes)
+
+
+def fullest_device_bytes(cfg: DflashConfig, **peaks: float | None) -> float:
+    return max(d.total for d in device_memory(cfg, **peaks))  # type: ignore[arg-type]
+
+
+def check_fits(cfg: DflashConfig) -> None:
+    """Pre-flight: refuse, in one line with the numbers, a run whose devices would not hold it.
+
+    The budget is ``sweep.memory_budget_gib`` per device (None: no check). Raises ConfigError.
+    """
+    budget = cfg.sweep.memory_budget_gib
+    if budget is None:
+        return
+    for dev in device_memory(cfg):
+        if dev.total > budget * GIB:
+            missing = f"; not counted: {', '.join(dev.not_counted)}" if dev.not_counted else ""
+            raise ConfigError("sweep.memory_budget_gib", f"{dev.describe()}, over the budget of {budget:g} GiB "
+                              f"per device{missing}", show_got=False)
+
+
+def allreduce_seconds(cfg: DflashConfig, n_drafter: int) -> float:
+    """One step's ring all-reduce of the drafter's gradient: 2 (n - 1) / n x bytes x s/byte (0 when
+    the gradient size or the cost is not configured, or with one drafter)."""
+    m, per_byte = cfg.memory, cfg.timing.allreduce_s_per_byte
+    if m.drafter_params is None or per_byte == 0 or n_drafter < 2:
+        return 0.0
+    return 2 * (n_drafter - 1) / n_drafter * math.ceil(m.drafter_params) * m.weight_bytes * per_byte
