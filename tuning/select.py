@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from optuna.trial import TrialState
 from tuning.study import feasible
 
 NAMED = {"baseline": {"min_ready": 10, "max_depth": 30}, "handpicked": {"min_ready": 30, "max_depth": 90}}
+SPLIT_KEYS = ("n_target", "n_drafter")  # trial user attributes and selection-entry keys of the split
 
 
 def complete_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -85,10 +88,65 @@ def select_top_k(study: optuna.Study, k: int) -> list[optuna.trial.FrozenTrial]:
 
 
 def tuned_entries(top: list[optuna.trial.FrozenTrial]) -> list[dict[str, Any]]:
-    """``tuned-1..k`` selection entries: the trial and the full queue it ran (its ``queue_*`` attrs)."""
+    """``tuned-1..k`` selection entries: the trial, the full queue it ran (its ``queue_*`` attrs) and
+    its split (``n_target``, ``n_drafter``: what ``dflash validate`` must run it on)."""
     return [{"name": f"tuned-{rank}", "trial": t.number, "params": t.params,
-             "queue": {k.removeprefix("queue_"): v for k, v in t.user_attrs.items() if k.startswith("queue_")}}
+             "queue": {k.removeprefix("queue_"): v for k, v in t.user_attrs.items() if k.startswith("queue_")},
+             **{k: t.user_attrs[k] for k in SPLIT_KEYS if k in t.user_attrs}}
             for rank, t in enumerate(top, 1)]
+
+
+@dataclass(frozen=True)
+class _Point:
+    """A trial as the front functions see it: maximised values and a number for ties."""
+
+    number: int
+    values: tuple[float, float]
+    n_target: int
+    n_drafter: int
+
+
+def split_table(rows: Iterable[Mapping[str, Any]], gpus: int | None = None, gpus_per_target: int = 1
+                ) -> dict[str, Any]:
+    """Per split, the queue knobs re-optimised for it; the best split and its gain over an even one.
+
+    ``rows``: complete trials with ``number``, ``n_target``, ``n_drafter``, ``throughput_tokens_per_s``,
+    ``mix_efficiency`` and ``feasible``. Each split's choice is the knee of its own feasible front
+    (the selection rule, within the split); the best split is the knee of those choices; the even
+    split gives targets as many GPUs as drafters (n_target x gpus_per_target = n_drafter).
+    """
+    by_split: dict[int, list[_Point]] = {}
+    drafters: dict[int, int] = {}
+    for r in rows:
+        n = int(r["n_target"])
+        drafters[n] = int(r["n_drafter"])
+        by_split.setdefault(n, [])
+        tput, mix = r.get("throughput_tokens_per_s"), r.get("mix_efficiency")
+        if r.get("feasible") and _finite(tput) and _finite(mix):
+            by_split[n].append(_Point(int(r["number"]), (float(tput), float(mix)), n, drafters[n]))
+    splits = []
+    for n in sorted(by_split):
+        pts = by_split[n]
+        knee = knee_order(pareto_front(pts))[0][0] if pts else None  # type: ignore[arg-type]
+        splits.append({"n_target": n, "n_drafter": drafters[n], "feasible_trials": len(pts),
+                       "trial": knee.number if knee else None,
+                       "throughput_tokens_per_s": knee.values[0] if knee else None,
+                       "mix_efficiency": knee.values[1] if knee else None})
+    chosen = [_Point(s["trial"], (s["throughput_tokens_per_s"], s["mix_efficiency"]), s["n_target"], s["n_drafter"])
+              for s in splits if s["trial"] is not None]
+    best = knee_order(pareto_front(chosen))[0][0] if chosen else None  # type: ignore[arg-type]
+    even = next((s for s in splits if s["n_target"] * gpus_per_target == s["n_drafter"]), None)
+    out: dict[str, Any] = {"splits": splits, "gpus": gpus, "gpus_per_target": gpus_per_target,
+                           "best": None, "even": even, "gain_over_even": None}
+    if best is not None:
+        out["best"] = next(s for s in splits if s["n_target"] == best.n_target)
+        if even is not None and even["throughput_tokens_per_s"]:
+            out["gain_over_even"] = best.values[0] / even["throughput_tokens_per_s"] - 1
+    return out
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def importances(study: optuna.Study, objective_names: list[str]) -> dict[str, dict[str, float]]:
