@@ -27,11 +27,11 @@ MASK_ID = 4
 
 
 def make(block_size=8, layers=1, anchors=8, dtype=torch.float64, target_dtype=None, gamma=None, seed=0,
-         qk_norm=False, init_std=0.02):
+         init_std=0.02):
     target = tiny_llama(seed=seed, dtype=target_dtype or dtype, vocab_size=VOCAB, init_std=init_std)
     cfg = DrafterConfig(layers=layers, block_size=block_size, anchors=anchors, gamma=gamma)
     spec = DrafterSpec.from_target_config(target.config, target_layer_ids=LAYER_IDS, mask_token_id=MASK_ID,
-                                          drafter=cfg, qk_norm=qk_norm)
+                                          drafter=cfg)
     torch.manual_seed(seed + 1)
     return target, DFlashDrafter.from_target(target, spec, dtype=dtype)
 
@@ -255,8 +255,8 @@ def test_shapes_and_dtypes(block_size, dtype):
     assert draft.shape == (1, block_size - 1, VOCAB)
 
 
-def test_bfloat16_target_and_drafter_with_qk_norm():
-    target, drafter = make(block_size=8, anchors=4, dtype=torch.bfloat16, qk_norm=True)
+def test_bfloat16_target_and_drafter_train_the_qk_norms():
+    target, drafter = make(block_size=8, anchors=4, dtype=torch.bfloat16)
     ids, am, lm, ctx = rand_batch(target, [32])
     assert ctx.dtype == torch.bfloat16
     res = drafter.loss(ctx, ids, lm, am, generator=torch.Generator().manual_seed(0))

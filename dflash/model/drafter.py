@@ -8,10 +8,12 @@ Shape of the model:
 * **Block.** A block anchored at position ``a`` is ``[token[a], MASK x (B-1)]``, embedded with the
   target's own embedding table; slot ``k`` sits at RoPE position ``a + k`` and predicts
   ``token[a + k]`` (slot 0 has no loss).
-* **Layers.** ``N`` decoder layers of the target's family at the target's hidden size (RMSNorm,
-  attention with its own q/k/v/o projections and RoPE, optionally per-head q/k norms as in Qwen3,
-  gated SiLU MLP). Queries come only from block tokens; keys/values are
-  ``[k/v_proj(context) ; k/v_proj(block)]``, non-causal inside the block.
+* **Layers.** ``N`` Qwen3-style decoder layers at the target's hidden size, whatever the target's
+  family, exactly as upstream's ``DFlashDraftModel`` (z-lab ``dflash/model.py``) builds them:
+  RMSNorm, attention with its own q/k/v/o projections (no bias), RMSNorm on q and k per head, RoPE,
+  gated SiLU MLP. Queries come only from block tokens; keys/values are
+  ``[k/v_proj(context) ; k/v_proj(block)]``, non-causal inside the block. Parameter names are
+  upstream's, so the state dict *is* the z-lab checkpoint's (:mod:`dflash.model.export`).
 * **Head.** Final RMSNorm, then the target's ``lm_head``.
 
 The target's ``embed_tokens`` and ``lm_head`` are *shared references*, frozen, and deliberately not
@@ -51,10 +53,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.core.config import DrafterConfig, default_gamma
+from dflash.core.errors import ConfigError
 
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter_config.json"
-SPEC_FORMAT = 1
+SPEC_FORMAT = 2  # 2: Qwen3-style draft layers for every target (1: layers of the target's family)
 
 # Candidate MASK tokens, in order of preference, for tokenizers without a ``mask_token``. A mask must
 # be an existing embedding row the chat data never uses. SmolLM2 has no spare rows (vocab 49,152 ==
@@ -83,8 +86,9 @@ def default_mask_token_id(tokenizer: Any) -> int:
 class DrafterSpec:
     """Everything that fixes the drafter's shape and training rule; saved with its weights.
 
-    Target-side fields copy the target's config (the draft layers are of its family, at its size);
+    Target-side fields copy the target's config (the draft layers run at its size and RoPE base);
     drafter-side fields are ``[drafter]`` of the run config plus the capture layers and MASK id.
+    The layers are always Qwen3-style (q/k norms, no attention bias), as upstream's.
     """
 
     hidden_size: int
@@ -101,8 +105,6 @@ class DrafterSpec:
     gamma: float = 7.0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    attention_bias: bool = False
-    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -155,9 +157,7 @@ class DrafterSpec:
             vocab_size=int(config.vocab_size), target_layer_ids=tuple(target_layer_ids),
             mask_token_id=int(mask_token_id), layers=d.layers, block_size=d.block_size, anchors=d.anchors,
             gamma=float(d.gamma if d.gamma is not None else default_gamma(d.block_size)),
-            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)), rope_theta=float(theta),
-            attention_bias=bool(getattr(config, "attention_bias", False)),
-            qk_norm=str(getattr(config, "model_type", "")).startswith("qwen3"))
+            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)), rope_theta=float(theta))
         kw.update(overrides)
         return cls(**kw)
 
@@ -169,8 +169,27 @@ class DrafterSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DrafterSpec:
+        """The spec saved by :meth:`to_json`; a format-1 spec only if its layers were already
+        Qwen3-style (then the weights are the same tensors and the same math: an exact conversion),
+        else :class:`DrafterFormatError`."""
+        fmt = data.get("format", 1)
+        if fmt == 1 and not (data.get("qk_norm") and not data.get("attention_bias")):
+            raise DrafterFormatError(
+                "this drafter was saved with draft layers of its target's family (no q_norm/k_norm"
+                f"{', attention bias' if data.get('attention_bias') else ''}; drafter format 1); draft layers are"
+                " now Qwen3-style as upstream DFlash's and cannot be converted exactly: retrain it with dflash train")
+        if fmt not in (1, SPEC_FORMAT):
+            raise DrafterFormatError(f"drafter format {fmt!r} is not one this dflash reads (1 or {SPEC_FORMAT})")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class DrafterFormatError(ConfigError):
+    """A saved drafter this version cannot load as it is; the message says what to do. A
+    :class:`~dflash.core.errors.ConfigError`, so every verb reports it as one line, exit status 2."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__("drafter", what, show_got=False)
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -206,12 +225,12 @@ class DraftAttention(nn.Module):
         super().__init__()
         d, h, kv, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.h, self.kv, self.hd = h, kv, hd
-        self.q_proj = nn.Linear(d, h * hd, bias=spec.attention_bias)
-        self.k_proj = nn.Linear(d, kv * hd, bias=spec.attention_bias)
-        self.v_proj = nn.Linear(d, kv * hd, bias=spec.attention_bias)
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kv * hd, bias=False)
+        self.v_proj = nn.Linear(d, kv * hd, bias=False)
         self.o_proj = nn.Linear(h * hd, d, bias=False)
-        self.q_norm = RMSNorm(hd, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(hd, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = RMSNorm(hd, spec.rms_norm_eps)  # per head, before RoPE (Qwen3)
+        self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -221,8 +240,7 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(b, nq, self.h, self.hd)
         k = self.k_proj(kv_in).view(b, nk, self.kv, self.hd)
         v = self.v_proj(kv_in).view(b, nk, self.kv, self.hd)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = _rope(q, *rope_q)
         k = _rope(k, *rope_k)
@@ -438,11 +456,20 @@ class DFlashDrafter(nn.Module):
         whose slot 0 holds ``anchor_tokens`` ``[b, A]``; all blocks in one forward."""
         b, a = anchors.shape
         bs = self.spec.block_size
+        block_ids = torch.full((b, a, bs), self.spec.mask_token_id, dtype=torch.long, device=context_states.device)
+        block_ids[:, :, 0] = anchor_tokens
+        return self.hidden_from_embeddings(context_states, self._embed(block_ids.view(b, a * bs)), anchors,
+                                           context_valid)
+
+    def hidden_from_embeddings(self, context_states: torch.Tensor, x: torch.Tensor, anchors: torch.Tensor,
+                               context_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`block_hidden` from already embedded blocks ``x`` ``[b, A*B, d]``: everything the
+        drafter computes itself, without the target's tables (an export's check runs this)."""
+        b, a = anchors.shape
+        bs = self.spec.block_size
         s = context_states.shape[1]
         dev = context_states.device
-        block_ids = torch.full((b, a, bs), self.spec.mask_token_id, dtype=torch.long, device=dev)
-        block_ids[:, :, 0] = anchor_tokens
-        x = self._embed(block_ids.view(b, a * bs))
+        x = x.to(self.dtype)
         q_pos = (anchors[:, :, None] + torch.arange(bs, device=dev)).view(b, a * bs)
         k_pos = torch.cat([torch.arange(s, device=dev).expand(b, s), q_pos], dim=1)
         rope_q, rope_k = self._cos_sin(q_pos), self._cos_sin(k_pos)
@@ -569,7 +596,10 @@ class DFlashDrafter(nn.Module):
 
         src = Path(directory)
         meta = json.loads((src / CONFIG_FILE).read_text(encoding="utf-8"))
-        spec = DrafterSpec.from_json(meta["spec"])
+        try:
+            spec = DrafterSpec.from_json(meta["spec"])
+        except DrafterFormatError as exc:
+            raise DrafterFormatError(f"{src}: {exc.allowed}") from None
         saved_dtype = getattr(torch, meta.get("dtype", "float32"))
         drafter = cls.from_target(target, spec, device=device, dtype=dtype or saved_dtype)
         state = load_file(str(src / WEIGHTS_FILE), device=str(drafter.fc.weight.device))
@@ -592,6 +622,7 @@ def lm_head_flops(anchors: int, block_size: int, vocab: int, hidden: int) -> flo
 
 
 __all__ = [
-    "CONFIG_FILE", "MASK_TOKEN_CANDIDATES", "WEIGHTS_FILE", "DFlashDrafter", "DraftLoss", "DrafterSpec",
+    "CONFIG_FILE", "MASK_TOKEN_CANDIDATES", "WEIGHTS_FILE", "DFlashDrafter", "DraftLoss", "DrafterFormatError",
+    "DrafterSpec",
     "block_attention_mask", "default_mask_token_id", "lm_head_flops", "normalised_loss", "sample_anchors",
 ]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-NAMES = ("simulate", "sweep", "train", "tune-live", "eval", "calibrate", "validate", "report", "regenerate",
-         "lengths", "demo")
+NAMES = ("simulate", "sweep", "train", "tune-live", "eval", "export", "calibrate", "validate", "report",
+         "regenerate", "lengths", "demo")
 
 
 def load() -> dict[str, ModuleType]:
