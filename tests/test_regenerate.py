@@ -334,7 +334,8 @@ class StubServer:
 
     Markers in the last user message: ``always-500`` (server error every time), ``bad-400`` (a
     refusal, not retried), ``once-503`` (an error, then fine), ``slow-once`` (answers the first request
-    after 1.2 s, past the client's timeout, then promptly).
+    after 1.2 s, past the client's timeout, then promptly), ``hold`` (answers after 0.3 s), ``sleepy``
+    (after 20 s). It records each request's Authorization header and the most requests in flight at once.
     """
 
     def __init__(self, model, tok, eos) -> None:
@@ -342,6 +343,8 @@ class StubServer:
         self.lock = threading.Lock()
         self.calls: Counter[str] = Counter()
         self.first_turns: list[str] = []
+        self.auth: list[str | None] = []
+        self.inflight = self.max_inflight = 0
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -366,10 +369,18 @@ class StubServer:
                     self.send(404, {"error": "not found"})
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                code, obj, delay = stub.answer(self.path, body)
-                time.sleep(delay)
-                self.send(code, obj)
+                with stub.lock:
+                    stub.auth.append(self.headers.get("Authorization"))
+                    stub.inflight += 1
+                    stub.max_inflight = max(stub.max_inflight, stub.inflight)
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                    code, obj, delay = stub.answer(self.path, body)
+                    time.sleep(delay)
+                    self.send(code, obj)
+                finally:
+                    with stub.lock:
+                        stub.inflight -= 1
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -401,7 +412,7 @@ class StubServer:
             return 400, {"error": {"message": "prompt too long"}}, 0.0
         if "once-503" in last and n == 1:
             return 503, {"error": "busy"}, 0.0
-        delay = 1.2 if "slow-once" in last and n == 1 else 0.0
+        delay = 1.2 if "slow-once" in last and n == 1 else 0.3 if "hold" in last else 20.0 if "sleepy" in last else 0.0
         text, finish, ntok = self.reply(msgs, body["max_tokens"])
         return 200, {"id": "x", "object": "chat.completion", "model": "tiny-stub",
                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -420,7 +431,8 @@ def stub(world, tok):
     s.close()
 
 
-def test_server_backend_retries_times_out_and_counts_failures(world, stub, tmp_path, capsys):
+def test_server_backend_retries_times_out_and_counts_failures(world, stub, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     turns = {"s0": ["Tell me about cats.", "And dogs?"], "s1": ["once-503 please", "again"],
              "s2": ["first", "slow-once second"], "s3": ["always-500", "never asked"],
              "s4": ["bad-400", "never"], "s5": ["Short one.", "Longer follow-up " * 5]}
@@ -464,6 +476,72 @@ def test_server_backend_retries_times_out_and_counts_failures(world, stub, tmp_p
     assert main(argv) == 0
     assert set(stub.first_turns) == {"always-500", "bad-400"}
     assert out.read_bytes() == before and len(read_records(failed_path(out))) == 4
+    assert set(stub.auth) == {"Bearer EMPTY"}  # no key set: the placeholder keyless servers ignore
+
+
+def chat_data(path: Path, questions: dict[str, str]) -> Path:
+    path.write_text("\n".join(json.dumps({"id": k, "conversations": [user(q), gpt("o")]})
+                              for k, q in questions.items()))
+    return path
+
+
+def test_server_sends_the_key_and_keeps_concurrency_records_in_flight(stub, tmp_path, capsys, monkeypatch):
+    """Eight slow answers with --concurrency 3: never more than three requests at the server, and three
+    at once (the async client does not serialise them); OPENAI_API_KEY goes out as the bearer token."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-local-test")
+    data = chat_data(tmp_path / "d.jsonl", {f"h{i}": f"hold {i}" for i in range(8)})
+    out = tmp_path / "o.jsonl"
+    assert main(["regenerate", "--config", str(write_config(tmp_path / "c.toml", data)), "--out", str(out),
+                 "--backend", "server", "--url", stub.url, "--server-model", "tiny-stub", "--concurrency", "3",
+                 "--max-new-tokens", "4"]) == 0
+    assert "holds 8 records" in capsys.readouterr().out
+    assert sorted(r["id"] for r in read_records(out)) == [f"h{i}" for i in range(8)]
+    assert stub.max_inflight == 3
+    assert stub.auth == ["Bearer sk-local-test"] * 8
+
+
+def test_ctrl_c_on_the_server_backend_keeps_whole_records(stub, tmp_path):
+    """SIGINT while requests hang: the async requests are cancelled, exit 130, the finished records
+    whole and the run marked interrupted in the sidecar."""
+    questions = {"a": "quick one", "b": "quick two", "c": "sleepy three", "d": "sleepy four"}
+    data = chat_data(tmp_path / "d.jsonl", questions)
+    out = tmp_path / "o.jsonl"
+    argv = ["regenerate", "--config", str(write_config(tmp_path / "c.toml", data)), "--out", str(out),
+            "--backend", "server", "--url", stub.url, "--concurrency", "2", "--max-new-tokens", "4"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None and stub.calls["sleepy four"] == 0:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted: run the same command again" in err and "Traceback" not in err
+    assert sorted(r["id"] for r in read_records(out)) == ["a", "b"]
+    meta = json.loads(sidecar_path(out).read_text())
+    assert meta["runs"][-1]["status"] == "interrupted" and meta["counts"]["records"] == 2
+
+
+def test_server_backend_without_openai_names_the_extra(tmp_path):
+    """A base install has no openai: one line naming the extra, exit 2, nothing written."""
+    probe = ("import importlib.abc, sys\n"
+             "class Block(importlib.abc.MetaPathFinder):\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name.split('.')[0] == 'openai': raise ImportError(name)\n"
+             "sys.meta_path.insert(0, Block())\n"
+             "from dflash.cli import main\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+    got = subprocess.run([sys.executable, "-c", probe, "regenerate", "--out", str(tmp_path / "o.jsonl"),
+                          "--backend", "server", "--url", "http://127.0.0.1:9"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert got.returncode == 2 and got.stdout == ""
+    assert got.stderr == ("dflash regenerate: error: --backend: server needs the openai client library: "
+                          "pip install 'dflash-tune[server]'\n")
+    assert not any(tmp_path.iterdir())
 
 
 # --------------------------------------------------------------------------- bad input
