@@ -34,7 +34,7 @@ from dflash.core.queue_core import QueueItem
 from dflash.core.records import RecordWriter, clean_json, export_parquet, read_records
 from dflash.core.runmetrics import RunTrace, loss_roughness, run_metrics
 from dflash.core.sampler import ItemSpec, Sampler
-from dflash.pipeline.checkpoint import ItemFeed, read_checkpoint, read_control, write_checkpoint
+from dflash.pipeline.checkpoint import ItemFeed, latest_verified, load_state, read_control, write_checkpoint
 from dflash.pipeline.hsqueue import HSQueue
 from dflash.pipeline.telemetry import NvmlSampler, RollingMix, StageTimer, WandbLogger, gpu_metrics, queue_health
 
@@ -145,6 +145,7 @@ class Trainer:
         self.anchor_gen = torch.Generator().manual_seed(cfg.seed)
         self.queue = HSQueue(cfg.queue, self.sampler.n_buckets, mix=self.sampler.item_mix(), seed=cfg.seed)
         self.start_step = 0
+        self._control_serial = 0
         self.before: dict[str, int] = {"trained": 0}  # counts carried over from a checkpoint
         self.trained_conversations: set[str] = set()  # kept out of the acceptance-length prompts
         feed_state: dict[str, Any] = {"epoch": 0, "index": 0, "pending": []}
@@ -156,7 +157,6 @@ class Trainer:
         self._records_lock = threading.Lock()
         self._items_lock = threading.Lock()
         self._producers_left = len(tdev)
-        self._control_serial = (read_control(self.out) or {}).get("serial", 0) if resume else 0
         if not resume:  # the run's own config: `--resume` and `tune-live` read it
             (self.out / "config.json").write_text(json.dumps(clean_json(cfg.to_dict()), indent=1, default=str))
         self._stop_signal: str | None = None
@@ -178,7 +178,8 @@ class Trainer:
         meta = {"step": step, "t": self.queue.now(), "run_id": self.run_id, "feed": self.feed.state(),
                 "queue_core": self.queue._core.state_dict(), "queue_config": dict(self.queue.config.__dict__),
                 "trained": self.before["trained"] + self.queue.stats()["trained"],
-                "replayed": self.before.get("replayed", 0) + self.feed.replayed}
+                "replayed": self.before.get("replayed", 0) + self.feed.replayed,
+                "control_serial": self._control_serial}
         return write_checkpoint(self.out, tensors, meta)
 
     def _restore(self) -> dict[str, Any]:
@@ -187,10 +188,8 @@ class Trainer:
         from dflash.core.config import QueueConfig
         from dflash.core.records import truncate_after_step
 
-        got = read_checkpoint(self.out)
-        if got is None:
-            raise FileNotFoundError(f"no checkpoint in {self.out}")
-        tensors, meta = got
+        ckpt, meta = latest_verified(self.out, warn=self.progress)
+        tensors = load_state(ckpt)
         self.drafter.load_state_dict(tensors["drafter"])
         self.optimizer.load_state_dict(tensors["optimizer"])
         self.scheduler.load_state_dict(tensors["scheduler"])
@@ -202,12 +201,13 @@ class Trainer:
         self.queue.reconfigure(self.cfg.queue)
         self.queue._core.load_state_dict(meta["queue_core"])
         self.start_step = int(meta["step"]) + 1
+        self._control_serial = int(meta.get("control_serial", 0))
         self.before = {"trained": int(meta["trained"]), "replayed": int(meta.get("replayed", 0))}
         dropped = truncate_after_step(self.out, int(meta["step"]))
         taken = [i for r in read_records(self.out, "take") for i in r["item_ids"]]
         self.trained_conversations = {self.data.conversations[k].id for k in self.sampler.sequences_of(taken)}
         self.queue.continue_clock_from(float(meta["t"]))
-        self.progress(f"resumed at step {self.start_step} from {self.out / 'checkpoint'}; replaying "
+        self.progress(f"resumed at step {self.start_step} from {ckpt}; replaying "
                       f"{len(meta['feed']['pending'])} items in flight; records dropped after the checkpoint: "
                       f"{dropped}")
         return meta["feed"]
@@ -227,12 +227,15 @@ class Trainer:
             if not isinstance(change, dict) or not change:
                 raise ConfigError("control", "must hold a non-empty 'queue' table", change)
             cfg = with_overrides(self.cfg, {f"queue.{k}": v for k, v in change.items()})
-        except ConfigError as exc:
+        except (ConfigError, TypeError, ValueError) as exc:  # any content: rejected, recorded, the run goes on
+            from dflash.pipeline.service import _plain
+
+            reason = exc.line() if isinstance(exc, ConfigError) else f"control: {exc}"
             with self._records_lock:
-                self.records.write("control", t=self.queue.now(), accepted=False, change=change, step=step,
-                                   serial=ctl["serial"], reason=exc.line())
-            self.progress(f"live change #{ctl['serial']} rejected: {exc.line()}")
-            self.wb.event("queue_control", {"accepted": False, "serial": ctl["serial"], **change}, step=step)
+                self.records.write("control", t=self.queue.now(), accepted=False, change=_plain(change), step=step,
+                                   serial=ctl["serial"], reason=reason)
+            self.progress(f"live change #{ctl['serial']} rejected: {reason}")
+            self.wb.event("queue_control", {"accepted": False, "serial": ctl["serial"]}, step=step)
             return
         self.cfg = cfg
         self.queue.reconfigure(cfg.queue)

@@ -1,42 +1,135 @@
-"""``dflash train``: A real training run (dflash/trainer.py); ``--resume DIR`` continues one from its checkpoint."""
+"""``dflash train``: a real training run, one process per device (dflash/pipeline); ``--resume DIR`` continues one.
+
+Plain ``dflash train`` starts n_target + n_drafter ranks on this machine; ``--nproc-per-node N``
+starts N through torch's elastic launcher; under ``torchrun ... -m dflash train`` each process is
+one rank. Everything checkable without a model is checked here first (one line, exit 2).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from dflash.cli.options import WANDB_MODES, Opt, Verb, default_base_config
+from dflash.cli.options import N_DRAFTER, N_TARGET, WANDB_MODES, Opt, Verb, default_base_config
 from dflash.cli.runs import load_run_config
-from dflash.cli.verbs.simulate import format_metrics
 from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 
+DEVICE_RULE = ("retired: each rank uses cuda:LOCAL_RANK when CUDA is available, else the CPU; choose the roles "
+               "with --n-target/--n-drafter (or [cluster] n_target/n_drafter) and the processes with "
+               "--nproc-per-node or torchrun")
+# What a run directory holds that a restart in place removes (a run killed before its first checkpoint).
+RUN_FILES = ("config.json", "ledger.jsonl", "control.jsonl", "produce.jsonl", "take.jsonl", "step.jsonl",
+             "summary.jsonl", "metrics.json", ".ranks", "checkpoint", "drafter", "wandb")
+
 
 def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
-    """A real training run (dflash/trainer.py); ``--resume DIR`` continues one from its checkpoint."""
-    if args.resume:
-        if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
-            raise ConfigError("--out", "a resumed run continues in its own directory; omit --out", args.out)
-        out = Path(args.resume)
-        if not (out / "checkpoint" / "meta.json").exists() and not (out / ".checkpoint.old" / "meta.json").exists():
-            raise ConfigError("--resume", "must be a run directory with a checkpoint", str(out))
-    else:
-        out = Path(args.out) if args.out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
-        if out.exists() and any(out.iterdir()):
-            raise ConfigError("--out", "must be a new or empty directory (use --resume to continue a run)", str(out))
-    from dflash.pipeline.trainer import Trainer
+    """Check the run directory and the launch, then run the ranks (dflash.pipeline.launch)."""
+    from dflash.pipeline.launch import check_launch, launch, under_launcher
+    from dflash.pipeline.rank import RunSpec
 
-    res = Trainer(cfg, out, resume=bool(args.resume), wandb_mode=args.wandb).run()
-    s, m = res.summary, res.metrics
-    print(f"done: {s['steps']} steps in {s['wall_s']:.0f} s (stopped by {s['stopped_by']}); produced "
-          f"{s['produced']} = trained {s['trained']} + discarded_at_stop {s['discarded_at_stop']}"
-          + (f"; replayed {s['replayed']}" if s.get("replayed") else ""))
-    if m.get("steady_state_reached"):
-        print(format_metrics(m))
-    print(f"drafter weights: {out / 'drafter'} (load with DFlashDrafter.load(dir, target)); records: {out}")
-    return 0
+    if under_launcher() and not _is_first_rank() and not args.resume:
+        out, resume = _default_out(args), False  # the first rank checks and prepares the directory
+    else:
+        out, resume = _run_dir(args, cfg)
+    if resume == "finished":
+        return 0
+    check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
+    if not under_launcher() or _is_first_rank():
+        _prepare(out, cfg, resume=bool(resume))
+    spec = RunSpec(cfg, str(out), resume=bool(resume), wandb=args.wandb)
+    return launch(spec, args.nproc_per_node)
+
+
+def _is_first_rank() -> bool:
+    import os
+
+    return os.environ.get("RANK") == "0"
+
+
+def _default_out(args: argparse.Namespace) -> Path:
+    """--out, else runs/train-<time> (under a launcher: named by the launcher's run id, the same on every rank)."""
+    import os
+
+    if args.out:
+        return Path(args.out)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return Path("runs") / (f"train-{run_id}" if run_id else time.strftime("train-%Y%m%d-%H%M%S"))
+
+
+def _run_dir(args: argparse.Namespace, cfg: DflashConfig) -> tuple[Path, str | bool]:
+    """The run directory and how to start: False (new), True (resume) or "finished" (nothing to do)."""
+    if not args.resume:
+        out = _default_out(args)
+        if out.exists() and any(p.name != ".ranks" for p in out.iterdir()) and not _restartable(out):
+            raise ConfigError("--out", "must be a new or empty directory (use --resume to continue a run)", str(out))
+        return out, False
+    if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
+        raise ConfigError("--out", "a resumed run continues in its own directory; omit --out", args.out)
+    out = Path(args.resume)
+    _verified_checkpoint(out)
+    finished = _finished(out)
+    if finished is not None and (cfg.train.max_steps is None or cfg.train.max_steps <= finished["steps"]):
+        print(f"{out}: the run is finished ({finished['steps']} steps, stopped by {finished['stopped_by']}); give a "
+              f"larger --max-steps to extend it")
+        return out, "finished"
+    return out, True
+
+
+def _verified_checkpoint(out: Path) -> None:
+    from dflash.pipeline.checkpoint import CheckpointError, checkpoint_dirs, latest_verified
+    from dflash.pipeline.ledger import read_ledger
+
+    if not checkpoint_dirs(out):
+        raise ConfigError("--resume", "must be a run directory with a checkpoint; a run killed before its first "
+                          f"checkpoint starts again in place with --out {out}", str(out))
+    try:
+        latest_verified(out, {s for s, _ in read_ledger(out)}, warn=print)
+    except (CheckpointError, ValueError) as exc:
+        raise ConfigError("--resume", f"refused: {exc}", show_got=False) from None
+
+
+def _restartable(out: Path) -> bool:
+    """A run directory killed before its first checkpoint (it can start again in place)."""
+    from dflash.pipeline.checkpoint import checkpoint_dirs
+
+    if not any(p.name != ".ranks" for p in out.iterdir()):
+        return True  # only the rank status files of ranks that are starting
+    return (out / "config.json").is_file() and not checkpoint_dirs(out) and not (out / "summary.jsonl").exists()
+
+
+def _finished(out: Path) -> dict[str, Any] | None:
+    try:
+        lines = (out / "summary.jsonl").read_text().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
+
+
+def _prepare(out: Path, cfg: DflashConfig, *, resume: bool) -> None:
+    """A new run: the directory, emptied of a run killed before its first checkpoint, and its config."""
+    from dflash.core.records import clean_json
+
+    if not resume:
+        if out.exists() and (out / "config.json").exists() and _restartable(out):
+            print(f"{out}: a run killed before its first checkpoint; starting it again in place")
+            for name in RUN_FILES:
+                p = out / name
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            for p in out.glob("*.parquet"):
+                p.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(clean_json(cfg.to_dict()), indent=1, default=str))
+
+
+def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
+    for flag in ("target_devices", "drafter_devices"):
+        if getattr(args, flag) is not None:
+            raise ConfigError("--" + flag.replace("_", "-"), DEVICE_RULE, show_got=False)
 
 
 def _base_config(args: argparse.Namespace, overrides: dict[str, Any]) -> DflashConfig:
@@ -46,13 +139,16 @@ def _base_config(args: argparse.Namespace, overrides: dict[str, Any]) -> DflashC
     return default_base_config(args, overrides, cpu_profile=True)
 
 
-VERB = Verb("real training run", base_config=_base_config, cpu_profile=True, queue_flags=True, opts=(
+VERB = Verb("real training run, one process per device", base_config=_base_config, check=_check, cpu_profile=True,
+            queue_flags=True, opts=(
         Opt("--target", "str", "target model: 'smollm2', a directory, a hub id or a .gguf path",
             key="target.model", metavar="MODEL"),
-        Opt("--target-devices", "devices", "target devices, e.g. cuda:0,cuda:1", key="target.devices",
-            metavar="LIST"),
-        Opt("--drafter-devices", "devices", "drafter devices, e.g. cuda:2,cuda:3", key="drafter.devices",
-            metavar="LIST"),
+        N_TARGET,
+        N_DRAFTER,
+        Opt("--nproc-per-node", "int", "processes to start on this node (>= 1; default n_target + n_drafter)",
+            lo=1, metavar="N"),
+        Opt("--target-devices", "str", "retired (see the device rule in --help of --nproc-per-node)", metavar="LIST"),
+        Opt("--drafter-devices", "str", "retired (see the device rule)", metavar="LIST"),
         Opt("--max-steps", "int", "stop after this many steps (>= 1)", key="train.max_steps", metavar="N"),
         Opt("--max-minutes", "float", "stop after this many minutes (> 0)", key="train.max_minutes",
             metavar="M"),

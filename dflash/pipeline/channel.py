@@ -1,0 +1,128 @@
+"""The control plane: length-prefixed pickled messages over TCP sockets, apart from every collective.
+
+The coordinator listens; every rank (the coordinator's own drafter rank too) connects once and says
+who it is. Messages are small dicts (item ids, shapes, counts), never tensors, so they cannot
+interleave with the DDP all-reduces or the point-to-point rounds of the data plane. Every wait has a
+timeout, and a timeout or a closed peer names the rank at the other end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import selectors
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+_HEADER = struct.Struct("!Q")
+
+
+class ChannelError(RuntimeError):
+    """A peer closed its end, or nothing came within the timeout (the message names the peer)."""
+
+
+class Channel:
+    """One end of a connection. ``send`` is thread-safe; ``recv`` belongs to one reader thread."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.peer = peer
+        self._send_lock = threading.Lock()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            try:
+                self.sock.sendall(_HEADER.pack(len(data)) + data)
+            except OSError as exc:
+                raise ChannelError(f"control channel to {self.peer} is closed ({exc})") from exc
+
+    def recv(self, timeout: float | None) -> dict[str, Any]:
+        """The next message; ChannelError after ``timeout`` seconds without one or when the peer is gone."""
+        self.sock.settimeout(timeout)
+        try:
+            (n,) = _HEADER.unpack(self._exact(_HEADER.size, timeout))
+            self.sock.settimeout(None if timeout is None else max(timeout, 30.0))  # the rest is already on its way
+            return pickle.loads(self._exact(n, timeout))
+        except TimeoutError as exc:
+            raise ChannelError(f"no control message from {self.peer} within {timeout} s") from exc
+
+    def _exact(self, n: int, timeout: float | None) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ChannelError(f"{self.peer} closed its control channel")
+            buf += chunk
+        return bytes(buf)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class Hub:
+    """The coordinator's end: a listening socket, one :class:`Channel` per rank, a poll over all of them."""
+
+    def __init__(self, host: str = "0.0.0.0") -> None:
+        self.server = socket.create_server((host, 0))
+        self.port = self.server.getsockname()[1]
+        self.channels: dict[int, Channel] = {}
+        self._selector = selectors.DefaultSelector()
+
+    def accept(self, ranks: list[int], timeout: float) -> None:
+        """Wait for every rank in ``ranks`` to connect and say its rank."""
+        deadline = time.monotonic() + timeout
+        while len(self.channels) < len(ranks):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(ranks) - set(self.channels))
+                raise ChannelError(f"ranks {missing} did not connect to the coordinator within {timeout} s")
+            self.server.settimeout(left)
+            try:
+                sock, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            ch = Channel(sock, "a rank")
+            hello = ch.recv(left)
+            rank = int(hello["rank"])
+            ch.peer = f"rank {rank}"
+            self.channels[rank] = ch
+            self._selector.register(sock, selectors.EVENT_READ, rank)
+
+    def poll(self, timeout: float) -> list[tuple[int, dict[str, Any]]]:
+        """Every message that is ready now (waiting up to ``timeout`` for the first)."""
+        out = []
+        for key, _ in self._selector.select(timeout):
+            rank = key.data
+            out.append((rank, self.channels[rank].recv(30.0)))
+        return out
+
+    def send(self, rank: int, msg: dict[str, Any]) -> None:
+        self.channels[rank].send(msg)
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+        self._selector.close()
+        self.server.close()
+
+
+def connect(host: str, port: int, rank: int, timeout: float) -> Channel:
+    """A rank's end of the control channel to the coordinator at ``host:port``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+            break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ChannelError(f"rank {rank} could not reach the coordinator at {host}:{port} ({exc})") from exc
+            time.sleep(0.05)
+    ch = Channel(sock, "the coordinator")
+    ch.send({"rank": rank})
+    return ch

@@ -1,0 +1,142 @@
+"""A drafter rank's run: steps until the ranks agree to stop, checkpoints and the end of run on the host rank.
+
+Every drafter rank runs the same sequence of collectives (stop agreement, weight sums, gradient
+sums), so the ranks stay in step. The host rank (which hosts the coordinator) also writes the
+checkpoints (the coordinator's snapshot, taken once the ledger holds the step), logs progress and
+W&B, and at the end writes metrics.json, the drafter and the Parquet export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from typing import Any
+
+import torch
+
+from dflash.pipeline.checkpoint import write_checkpoint
+from dflash.pipeline.workers import STOP_NONE, DrafterWorker
+
+
+class DrafterLoop:
+    def __init__(self, rr: Any, worker: DrafterWorker) -> None:
+        self.rr, self.worker = rr, worker
+        self.host = rr.roles.is_coordinator
+        self.cfg = rr.cfg
+        self.stage_totals: dict[str, list[float]] = {}
+        self.losses: list[float] = []
+
+    def run(self) -> None:
+        rr, w, train = self.rr, self.worker, self.cfg.train
+        start = step = int(rr.info["start_step"])
+        wall0 = last_log = time.perf_counter()
+        interval_tokens, stopped_by, last_ckpt = 0, "data", None
+        wb = self._wandb() if self.host else None
+        try:
+            while True:
+                code = w.agree_stop(rr.local_stop(step, wall0))
+                if code != STOP_NONE:
+                    stopped_by = rr.stop_name(code)
+                    break
+                ts = time.perf_counter()
+                got = w.step(step)
+                if got is None:
+                    break
+                res, info = got
+                info["step_s"] = time.perf_counter() - ts
+                self._add_stages(res.stages)
+                rr.channel.send({"op": "done", "step": step, "pid": os.getpid(), "takes": res.takes,
+                                 "stages": res.stages, "step_info": info if self.host else None})
+                if self.host:
+                    self.losses.append(info["loss"])
+                    interval_tokens += info["tokens"]
+                    now = time.perf_counter()
+                    if (step + 1) % train.log_every == 0 or now - last_log > 30:
+                        self._log(step, info, interval_tokens / max(now - last_log, 1e-9), wb)
+                        last_log, interval_tokens = now, 0
+                    if (step + 1) % train.checkpoint_every == 0:
+                        self.checkpoint(step)
+                        last_ckpt = step
+                step += 1
+            if self.host and step > start and last_ckpt != step - 1:
+                self.checkpoint(step - 1)  # before the stop discards anything: queued items stay pending
+            bye: dict[str, Any] = {"op": "bye"}
+            if self.host:
+                bye["summary"] = {"steps": step, "stopped_by": stopped_by, "wall_s": time.perf_counter() - wall0,
+                                  "stage_means_s": {k: tot / n for k, (tot, n) in self.stage_totals.items() if n}}
+            rr.channel.send(bye)
+            if self.host:
+                self._finish()
+        finally:
+            if wb is not None:
+                sync = wb.sync_command
+                wb.finish()
+                if sync:
+                    rr.progress(f"W&B offline run: upload later with `{sync}`")
+        rr.status("finished")
+
+    def _add_stages(self, stages: dict[str, float]) -> None:
+        for k, v in stages.items():
+            tot = self.stage_totals.setdefault(k, [0.0, 0])
+            tot[0] += v
+            tot[1] += 1
+
+    def _wandb(self) -> Any:
+        from dflash.pipeline.telemetry import WandbLogger
+
+        return WandbLogger(self.rr.spec.wandb, self.rr.out, self.cfg.to_dict(), self.rr.info["run_id"],
+                           warn=self.rr.progress)
+
+    def _log(self, step: int, info: dict[str, Any], tokens_per_s: float, wb: Any) -> None:
+        q = self.rr.service.coord.state()
+        loss = info["loss"]
+        metrics = {"loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"], "tokens_per_s": tokens_per_s,
+                   "hs_depth": q["depth"], "queued_bytes": q["queued_bytes"],
+                   **{f"hs_depth/bucket_{i}": d for i, d in enumerate(q["bucket_depths"])},
+                   **{f"resident_bytes/rank_{r}": b for r, b in enumerate(q["resident_bytes_per_producer"])},
+                   **{f"stage/{k.removesuffix('_s')}_mean": tot / n for k, (tot, n) in self.stage_totals.items()
+                      if n}}
+        if wb is not None:
+            wb.log(metrics, step=step)
+        loss_txt = f"{loss:.4f}" if math.isfinite(loss) else "n/a (no anchors)"
+        self.rr.progress(f"step {step + 1:>5}  loss {loss_txt}  lr {info['lr']:.2e}  tokens/s {tokens_per_s:,.0f}  "
+                         f"queue depth {q['depth']} {q['bucket_depths']}  ranks {self.rr.roles.world_size}")
+
+    def checkpoint(self, step: int) -> None:
+        """The drafter's state and the coordinator's snapshot at ``step`` (after the ledger committed it)."""
+        rr = self.rr
+        snap = rr.service.snapshot(step, rr.spec.wait_s)
+        tensors = {"drafter": rr.drafter.state_dict(), "optimizer": rr.optimizer.state_dict(),
+                   "scheduler": rr.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                   "python_rng": random.getstate()}
+        meta = {"step": step, "run_id": rr.info["run_id"], "world": {"n_target": rr.roles.n_target,
+                                                                     "n_drafter": rr.roles.n_drafter}, **snap}
+        write_checkpoint(rr.out, tensors, meta)
+
+    def _finish(self) -> None:
+        """Host rank: the summary (once every rank said bye), metrics.json, the drafter, Parquet."""
+        from dflash.core.records import clean_json, export_parquet, read_records
+        from dflash.core.runmetrics import RunTrace, loss_roughness, run_metrics
+
+        rr, cfg = self.rr, self.cfg
+        summary = rr.service.join(rr.spec.wait_s)
+        trace = RunTrace.from_records(list(read_records(rr.out, "produce")), list(read_records(rr.out, "take")))
+        metrics = run_metrics(trace, p=rr.sampler.item_mix(), min_ready=cfg.queue.min_ready, window=cfg.metrics.window,
+                              warmup_s=cfg.metrics.warmup_s, close_t=rr.service.close_t, n_target=rr.roles.n_target,
+                              n_drafter=rr.roles.n_drafter, n_buckets=rr.sampler.n_buckets)
+        step_losses = [r.get("loss") for r in read_records(rr.out, "step")]
+        metrics.update(loss_roughness(step_losses, first_step=len(step_losses) // 2))
+        (rr.out / "metrics.json").write_text(json.dumps(clean_json(metrics), indent=1))
+        rr.drafter.save(rr.out / "drafter")
+        export_parquet(rr.out)
+        rr.result = {"summary": summary, "metrics": metrics}
+        s = summary
+        rr.progress(f"done: {s['steps']} steps in {s['wall_s']:.0f} s on {rr.roles.world_size} ranks "
+                    f"({rr.roles.n_target} target + {rr.roles.n_drafter} drafter; stopped by {s['stopped_by']}); "
+                    f"produced {s['produced']} = trained {s['trained']} + discarded_at_stop {s['discarded_at_stop']}"
+                    + (f"; replayed {s['replayed']}" if s.get("replayed") else ""))
+        rr.progress(f"drafter weights: {rr.out / 'drafter'}; records: {rr.out}")
+        rr.progress(f"export for serving: dflash export --drafter {rr.out} --out {rr.out / 'export'}")

@@ -1,0 +1,103 @@
+"""Starting the ranks: under torchrun the process already is a rank; otherwise torch's own elastic launcher.
+
+``dflash train`` decides here: inside a torchrun (or any torch.distributed launcher that sets
+``RANK``/``WORLD_SIZE``) this process runs its rank; with ``--nproc-per-node N``, or plainly with
+n_target + n_drafter processes, it starts them through :func:`torch.distributed.launcher.api.elastic_launch`
+(the API torchrun itself uses) on this node. The checks that need no model run first, in this process:
+the world size against the roles, and the ranks per node against the GPUs. A failed rank becomes one
+line (the earliest rank error, naming the rank) and the exit status; the launcher's own traceback
+is not shown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+from dflash.core.config import DflashConfig
+from dflash.pipeline.rank import LAUNCHED_BY_DFLASH, RANKS_DIR, RunSpec, rank_main
+from dflash.pipeline.roles import check_world, data_plane
+
+_QUIET_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing",
+                  "torch.distributed.run")
+
+
+def under_launcher() -> bool:
+    """True when a launcher started this process as a rank (torchrun sets these)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def check_launch(cfg: DflashConfig, nproc_per_node: int | None) -> int:
+    """The checks made before any process starts or model loads; returns the ranks to start on this node."""
+    n_t, n_d = cfg.cluster.n_target, cfg.cluster.n_drafter
+    if under_launcher():
+        world = int(os.environ["WORLD_SIZE"])
+        check_world(n_t, n_d, world, what="launcher's world size (WORLD_SIZE)")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    else:
+        local = nproc_per_node if nproc_per_node is not None else n_t + n_d
+        check_world(n_t, n_d, local, what="--nproc-per-node" if nproc_per_node is not None
+                    else "number of processes started on this node")
+    data_plane(_cuda_devices(), local)
+    return local
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def launch(spec: RunSpec, nproc_per_node: int | None = None) -> int:
+    """Run the job; returns the exit status (0, 1 for a failed rank, 2 for bad input found by a rank)."""
+    n = check_launch(spec.cfg, nproc_per_node)
+    ranks_dir = Path(spec.out) / RANKS_DIR
+    if under_launcher():  # this process is one rank: clear only its own files of an earlier start
+        for f in ranks_dir.glob(f"rank-{os.environ['RANK']}.*"):
+            f.unlink(missing_ok=True)
+        return rank_main(spec)
+    shutil.rmtree(ranks_dir, ignore_errors=True)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ[LAUNCHED_BY_DFLASH] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // n)))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", run_id=f"dflash-{uuid.uuid4().hex[:8]}", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn")
+    try:
+        elastic_launch(config, rank_main)(spec)
+    except ChildFailedError as exc:
+        line, config_error = first_rank_error(ranks_dir)
+        if line is None:
+            first = min(exc.failures.items())
+            line = f"rank {first[0]} exited with status {first[1].exitcode}"
+        print(f"dflash train: error: {line}", file=sys.stderr)
+        return 2 if config_error else 1
+    return 0
+
+
+def first_rank_error(ranks_dir: Path) -> tuple[str | None, bool]:
+    """The earliest error a rank wrote (the cause; later ones are usually its peers losing it)."""
+    errors = []
+    for f in ranks_dir.glob("rank-*.error"):
+        try:
+            errors.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not errors:
+        return None, False
+    first = min(errors, key=lambda e: e["t"])
+    return first["line"], bool(first.get("config"))
+
+
+def hung_ranks(run_dir: Path) -> list[str]:
+    """What each rank said it was doing last (for a deadlock report)."""
+    return sorted(f.read_text().strip() for f in (Path(run_dir) / RANKS_DIR).glob("rank-*.status"))

@@ -1,0 +1,287 @@
+"""One rank of the distributed trainer: set-up by role, the loop, and the host rank's end of run.
+
+Every rank: the process group (``cpu:gloo,cuda:nccl``, with a timeout), the drafter ranks' own group,
+its model replica (a target rank: the frozen target on its device; a drafter rank: a drafter built
+from the target's embedding/LM head, identical on every drafter rank), the data (every rank forms an
+item from its id alone). The host rank (the first drafter rank) also resolves the resume (the newest
+verified checkpoint, the ledger and records cut back to it), starts the coordinator thread and
+broadcasts its address and the start step; every rank then connects to the control channel.
+
+A failing rank writes one line into ``RUN/.ranks/rank-N.error`` (the launcher prints the earliest)
+and exits non-zero; a rank that waits names what it waits for in ``RUN/.ranks/rank-N.status``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dflash.core.config import DflashConfig
+from dflash.core.errors import ConfigError
+from dflash.pipeline.channel import Channel, connect
+from dflash.pipeline.roles import DATA_NCCL, Roles, check_world, data_plane, device_for
+from dflash.pipeline.transport import make_transport
+from dflash.pipeline.workers import (
+    STOP_MAX_MINUTES,
+    STOP_MAX_STEPS,
+    STOP_NAMES,
+    STOP_NONE,
+    STOP_SIGNAL,
+    DrafterWorker,
+    Producer,
+    Status,
+    capture_item,
+)
+
+RANKS_DIR = ".ranks"
+LAUNCHED_BY_DFLASH = "DFLASH_LAUNCHER"  # set by dflash's own launcher: its parent prints the rank's error
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a rank needs, picklable (the launcher hands it to every process)."""
+
+    cfg: DflashConfig
+    out: str
+    resume: bool = False
+    wandb: str = "disabled"
+    wait_s: float = 600.0  # longest wait for a take, an admit or a round (a longer one is a hang)
+    pg_timeout_s: float = 600.0  # process-group timeout (tests: <= 60)
+    check_transfers: bool = False  # fingerprint every item and re-form its tokens from its id on receipt
+    quiet: bool = False
+
+
+def roles_from_env(cfg: DflashConfig) -> Roles:
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    check_world(cfg.cluster.n_target, cfg.cluster.n_drafter, world)
+    return Roles(rank=int(env.get("RANK", "0")), world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
+                 local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))), n_target=cfg.cluster.n_target,
+                 n_drafter=cfg.cluster.n_drafter)
+
+
+def rank_main(spec: RunSpec) -> int:
+    """The entry of every rank (a spawned process of the launcher, or a torchrun worker)."""
+    _die_with_parent()
+    out = Path(spec.out)
+    (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    status = Status(out / RANKS_DIR / f"rank-{rank}.status", rank)
+    try:
+        roles = roles_from_env(spec.cfg)
+        return RankRun(spec, roles, status).run()
+    except BaseException as exc:
+        role = "target" if rank < spec.cfg.cluster.n_target else "drafter"
+        what = exc.line() if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+        line = " ".join(f"rank {rank} ({role}, pid {os.getpid()}): {what}".split())
+        (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": time.time(), "line": line,
+                                                                          "config": isinstance(exc, ConfigError)}))
+        status(f"failed: {what}")
+        if not os.environ.get(LAUNCHED_BY_DFLASH):  # under torchrun nobody else prints it
+            print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(2 if isinstance(exc, ConfigError) else 1) from None
+
+
+def _die_with_parent() -> None:
+    """A rank dies with the process that started it (a killed launcher leaves no orphans)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class RankRun:
+    """One rank's run, step by step."""
+
+    def __init__(self, spec: RunSpec, roles: Roles, status: Status) -> None:
+        self.spec, self.cfg, self.roles, self.status = spec, spec.cfg, roles, status
+        self.out = Path(spec.out)
+        self.signal: str | None = None
+        self.progress = (lambda _m: None) if spec.quiet or not roles.is_coordinator else \
+            (lambda m: print(m, flush=True))
+
+    # ------------------------------------------------------------------ set-up
+    def run(self) -> int:
+        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.plane = data_plane(cuda, self.roles.local_world_size)
+        self.device = torch.device(device_for(self.roles.local_rank, cuda))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(self.cfg.train.cpu_threads
+                                  or max(1, (os.cpu_count() or 2) // self.roles.local_world_size))
+        self._install_signal_handlers()
+        self.status("joining the process group")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=self.spec.pg_timeout_s))
+        try:
+            self.drafter_group = dist.new_group(self.roles.drafter_ranks)
+            if self.roles.is_coordinator and self.plane == "host":
+                self.progress("one GPU is shared by this node's ranks: hidden states go through host memory (gloo)")
+            self._load()
+            info = self._host_setup() if self.roles.is_coordinator else None
+            box = [info]
+            dist.broadcast_object_list(box, src=self.roles.coordinator_rank)
+            self.info = box[0]
+            self.channel = connect(self.info["host"], self.info["port"], self.roles.rank, self.spec.wait_s)
+            if self.roles.is_target:
+                self._run_producer()
+            else:
+                self._run_drafter()
+            return 0
+        finally:
+            dist.destroy_process_group()
+
+    def _load(self) -> None:
+        from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
+        from dflash.pipeline.trainer import TrainingData
+
+        self.status("loading the target and the data")
+        where = self.device if self.roles.is_target else "cpu"
+        self.target = load_target(self.cfg.target.model, device=where)
+        self.layer_ids = capture_layer_ids(self.target.num_layers, self.cfg.target.capture_layers)
+        self.data = TrainingData(self.cfg, self.target.tokenizer)
+        self.sampler = self.data.sampler
+        self.autocast = self.device.type == "cuda"
+        self.state_dtype = torch.bfloat16 if self.autocast else torch.float32
+        if self.roles.is_target:
+            self.capture = HiddenStateCapture(self.target.model, self.layer_ids)
+        else:
+            self._build_drafter()
+
+    def _build_drafter(self) -> None:
+        from dflash.model.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
+        from dflash.pipeline.trainer import cosine_with_warmup
+
+        cfg = self.cfg
+        spec = DrafterSpec.from_target_config(self.target.config, target_layer_ids=self.layer_ids,
+                                              mask_token_id=default_mask_token_id(self.target.tokenizer),
+                                              drafter=cfg.drafter)
+        torch.manual_seed(cfg.seed)
+        self.drafter = DFlashDrafter.from_target(self.target.model, spec, device=self.device, dtype=torch.float32)
+        self.reduce_device = self.device if self.plane == DATA_NCCL else torch.device("cpu")
+        for t in self.drafter.state_dict().values():  # every drafter rank starts from the first one's weights
+            buf = t.detach().to(self.reduce_device)
+            dist.broadcast(buf, src=self.roles.coordinator_rank, group=self.drafter_group)
+            t.data.copy_(buf)
+        self.optimizer = torch.optim.AdamW(self.drafter.trainable_parameters(), lr=cfg.train.lr)
+        total = cfg.train.schedule_steps or cfg.train.max_steps or 1000
+        warmup = int(cfg.train.warmup_ratio * total)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda s: cosine_with_warmup(s, warmup, total))
+
+    def _host_setup(self) -> dict[str, Any]:
+        """The coordinator thread, after the resume is resolved; returns what every rank must know."""
+        from dflash.pipeline.resume import resolve_resume
+        from dflash.pipeline.service import CoordinatorService, ResumeState
+
+        self.status("starting the coordinator")
+        if self.spec.resume:
+            start_step, run_id, state, ckpt = resolve_resume(self.out, self.progress)
+        else:
+            start_step, run_id, state, ckpt = 0, f"real-{uuid.uuid4().hex[:8]}", ResumeState(), None
+            if not (self.out / "config.json").exists():
+                from dflash.core.records import clean_json
+
+                (self.out / "config.json").write_text(json.dumps(clean_json(self.cfg.to_dict()), indent=1,
+                                                                 default=str))
+        self.service = CoordinatorService(self.cfg, self.roles, self.sampler, self.out, run_id, resume=state,
+                                          wait_s=self.spec.wait_s, progress=self.progress)
+        self.service.start()
+        return {"host": _reachable_address(), "port": self.service.hub.port, "start_step": start_step,
+                "run_id": run_id, "checkpoint": None if ckpt is None else str(ckpt)}
+
+    def _install_signal_handlers(self) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            self.signal = f"signal {signal.Signals(signum).name}"
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, handler)
+
+    # ------------------------------------------------------------------ target
+    def _run_producer(self) -> None:
+        transport = make_transport(self.plane, self.device)
+
+        def make(spec: Any) -> tuple[torch.Tensor, ...]:
+            return capture_item(self.data, self.target, self.capture, spec, self.device, self.state_dtype)
+
+        Producer(self.channel, transport, make, self.sampler.item, check=self.spec.check_transfers,
+                 status=self.status).run()
+        self.status("finished")
+
+    # ------------------------------------------------------------------ drafter
+    def _run_drafter(self) -> None:
+        from dflash.pipeline.drafter_loop import DrafterLoop
+
+        if self.info["checkpoint"]:
+            state = torch.load(Path(self.info["checkpoint"]) / "state.pt", weights_only=False, map_location="cpu")
+            self.drafter.load_state_dict(state["drafter"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        worker = DrafterWorker(self.channel, make_transport(self.plane, self.device), self.drafter, self.optimizer,
+                               self.scheduler, group=self.drafter_group, reduce_device=self.reduce_device,
+                               device=self.device, seed=self.cfg.seed, grad_clip=self.cfg.train.grad_clip,
+                               autocast=self.autocast, wait_s=self.spec.wait_s, check=self.spec.check_transfers,
+                               status=self.status, verify_ids=self._verify_ids if self.spec.check_transfers else None)
+        DrafterLoop(self, worker).run()
+
+    def _verify_ids(self, item_id: str, tensors: tuple[torch.Tensor, ...]) -> None:
+        """The received tokens must be the tokens this rank forms from the item's id."""
+        from dflash.model.target import collate
+
+        spec = self.sampler.item(item_id)
+        pad = self.target.tokenizer.pad_token_id
+        input_ids, _, _ = collate([self.data.encode(i) for i in spec.seq_indices], pad if pad is not None else 0)
+        if not torch.equal(input_ids, tensors[1].cpu()):
+            raise RuntimeError(f"item {item_id}: the received tokens are not the item's tokens (swapped transfer)")
+
+    def local_stop(self, step: int, wall0: float) -> int:
+        cfg = self.cfg.train
+        if self.signal is not None:
+            return STOP_SIGNAL
+        if cfg.max_steps is not None and step >= cfg.max_steps:
+            return STOP_MAX_STEPS
+        if cfg.max_minutes and self.roles.is_coordinator and time.perf_counter() - wall0 >= cfg.max_minutes * 60:
+            return STOP_MAX_MINUTES
+        return STOP_NONE
+
+    def stop_name(self, code: int) -> str:
+        name = STOP_NAMES[code]
+        return self.signal or "signal" if name == "signal" else name
+
+
+def _reachable_address() -> str:
+    """The address other ranks reach this host by: the interface that routes to MASTER_ADDR."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if master in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+def finite(x: float) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+__all__ = ["RANKS_DIR", "Channel", "RankRun", "RunSpec", "rank_main"]

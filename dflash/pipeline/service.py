@@ -1,0 +1,308 @@
+"""The coordinator thread: the one :class:`Coordinator`, its control channel, the feed, records and ledger.
+
+It runs on the first drafter rank. It owns everything that must have one writer: the item feed
+(which item each producer computes next), the queue decisions, the run's records (``produce``,
+``take``, ``step``, ``control``, ``summary``) and the ack ledger. It reads the control channel, applies
+every ready report of a poll before serving takes (puts before takes), forwards each assignment to
+its producer (send in round r) and drafter (receive in round r), commits each optimizer step's item
+ids to the ledger once every drafter reported it, and applies ``tune-live`` changes between takes.
+A checkpoint (written by its host drafter rank) takes :meth:`snapshot`, which waits for the ledger
+to reach the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflash.core.config import DflashConfig, with_overrides
+from dflash.core.errors import ConfigError
+from dflash.core.queue_core import QueueItem
+from dflash.core.records import RecordWriter
+from dflash.core.sampler import Sampler
+from dflash.pipeline.channel import Hub
+from dflash.pipeline.checkpoint import ItemFeed, read_control
+from dflash.pipeline.coordinator import Admit, Assignment, Coordinator, NoWork
+from dflash.pipeline.ledger import Ledger
+from dflash.pipeline.roles import Roles
+
+CONTROL_POLL_S = 0.25  # how often the control file is read (between takes)
+
+
+@dataclasses.dataclass
+class ResumeState:
+    """What the service restores from a checkpoint (defaults: a fresh run)."""
+
+    feed: dict[str, Any] = dataclasses.field(default_factory=lambda: {"epoch": 0, "index": 0, "pending": []})
+    t: float = 0.0
+    queue_core: dict[str, Any] | None = None
+    counts: dict[str, int] = dataclasses.field(default_factory=lambda: {"trained": 0, "replayed": 0})
+    control_serial: int = 0
+    queue_config: dict[str, Any] | None = None  # the queue as it was at the checkpoint (live changes kept)
+
+
+class CoordinatorService:
+    """The coordinator thread's state and loop; ``start()`` runs it, ``join()`` waits for the summary."""
+
+    def __init__(self, cfg: DflashConfig, roles: Roles, sampler: Sampler, out: Path, run_id: str, *,
+                 resume: ResumeState, wait_s: float, progress: Callable[[str], None]) -> None:
+        if resume.queue_config is not None:
+            from dflash.core.config import QueueConfig
+
+            cfg = dataclasses.replace(cfg, queue=QueueConfig(**resume.queue_config))
+        self.cfg, self.roles, self.out, self.wait_s, self.progress = cfg, roles, out, wait_s, progress
+        self.sampler = sampler
+        self.coord = Coordinator(cfg.queue, sampler.n_buckets, roles.n_target, roles.n_drafter,
+                                 mix=sampler.item_mix(), seed=cfg.seed, sync=cfg.cluster.drafter_sync)
+        if resume.queue_core is not None:
+            self.coord.core.load_state_dict(resume.queue_core)
+        self.feed = ItemFeed(sampler, cfg.train.epochs, resume.feed["epoch"], resume.feed["index"],
+                             replay=resume.feed["pending"])
+        self.before = dict(resume.counts)
+        self.control_serial = resume.control_serial
+        self.hub = Hub()
+        self.records = RecordWriter(out, run_id, "real")
+        self.ledger = Ledger(out)
+        self._t0 = time.monotonic() - resume.t
+        self._lock = threading.Condition()
+        self._items: dict[str, dict[str, Any]] = {}  # ready report of each queued/blocked item
+        self._assigned: dict[int, Assignment] = {}  # drafter -> its take of the current step
+        self._done: dict[int, dict[int, dict[str, Any]]] = {}  # step -> drafter -> its done report
+        self._byes: dict[int, dict[str, Any]] = {}
+        self._closed_producers: set[int] = set()
+        self.produced = 0  # items put into the queue in this session
+        self.trained = 0
+        self.discarded: list[str] = []
+        self.summary: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="coordinator", daemon=True)
+        self._last_control_poll = 0.0
+        self.producer_blocked_s = 0.0
+        self.drafter_wait_s = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> dict[str, Any]:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the coordinator did not finish within {timeout} s")
+        if self.error is not None:
+            raise RuntimeError(f"coordinator failed: {self.error}") from self.error
+        assert self.summary is not None
+        return self.summary
+
+    def _main(self) -> None:
+        try:
+            self.hub.accept(list(range(self.roles.world_size)), self.wait_s)
+            self._write_control_start()
+            self._apply_control(step=None, at_start=True)
+            while len(self._byes) < self.roles.world_size:
+                msgs = self.hub.poll(0.05)
+                with self._lock:
+                    self._handle(msgs)
+                    self._lock.notify_all()
+        except BaseException as exc:
+            self.error = exc
+            with self._lock:
+                self._lock.notify_all()
+        finally:
+            self.records.close()
+            self.ledger.close()
+            self.hub.close()
+
+    # ------------------------------------------------------------------ messages
+    def _handle(self, msgs: list[tuple[int, dict[str, Any]]]) -> None:
+        t = self.now()
+        # puts before takes: every ready report and close of this poll first, in producer order
+        for rank, msg in sorted(msgs, key=lambda m: (m[1]["op"] not in ("next", "ready", "closed"), m[0])):
+            getattr(self, f"_on_{msg['op']}")(rank, msg, t)
+        if t - self._last_control_poll >= CONTROL_POLL_S:
+            self._last_control_poll = t
+            self._apply_control(step=None)
+        self._dispatch(self.coord.serve(t), t)
+
+    def _on_next(self, rank: int, msg: dict[str, Any], t: float) -> None:
+        self.hub.send(rank, {"op": "admit", "next": self._next_id()})
+
+    def _next_id(self) -> str | None:
+        if self.coord.stopped:
+            return None
+        spec = self.feed.next()
+        return None if spec is None else spec.item_id
+
+    def _on_ready(self, rank: int, msg: dict[str, Any], t: float) -> None:
+        spec = self.sampler.item(msg["item_id"])
+        item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len, msg["nbytes"],
+                         payload=msg["meta"])
+        self._items[spec.item_id] = {**msg, "t_end": t, "t_start": t - msg["compute_s"], "rank": rank}
+        if self.coord.stopped:
+            self.hub.send(rank, {"op": "stop"})
+            return
+        if self.coord.ready(rank, item, t):
+            self._produced(spec.item_id, t, 0.0)
+            self.hub.send(rank, {"op": "admit", "next": self._next_id()})
+
+    def _produced(self, item_id: str, t: float, blocked_s: float) -> None:
+        info = self._items[item_id]
+        spec = self.sampler.item(item_id)
+        self.produced += 1
+        self.producer_blocked_s += blocked_s
+        self.records.write("produce", t=info["t_end"], item_id=item_id, worker=info["rank"], rank=info["rank"],
+                           pid=info["pid"], bucket=spec.bucket, n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
+                           padded_len=spec.padded_len, t_start=info["t_start"], t_end=info["t_end"],
+                           blocked_s=blocked_s, bytes=info["nbytes"], t_put=t)
+
+    def _on_closed(self, rank: int, msg: dict[str, Any], t: float) -> None:
+        self._closed_producers.add(rank)
+        self.coord.producer_closed(rank)
+
+    def _on_request(self, rank: int, msg: dict[str, Any], t: float) -> None:
+        self.coord.request(rank - self.roles.n_target, msg["step"], t)
+
+    def _on_done(self, rank: int, msg: dict[str, Any], t: float) -> None:
+        step, d = msg["step"], rank - self.roles.n_target
+        self._done.setdefault(step, {})[d] = msg
+        if len(self._done[step]) == self.roles.n_drafter:
+            self._commit(step, self._done.pop(step), t)
+
+    def _on_bye(self, rank: int, msg: dict[str, Any], t: float) -> None:
+        """Drafters say bye after their last step (the host rank after its final checkpoint), producers after stop."""
+        self._byes[rank] = msg
+        if set(self.roles.drafter_ranks) <= set(self._byes) and not self.coord.stopped:
+            self._stop(t, self._byes[self.roles.coordinator_rank])
+        if len(self._byes) == self.roles.world_size and self.summary is not None:
+            self.records.write("summary", t=t, **self.summary)
+
+    # ------------------------------------------------------------------ decisions -> ranks
+    def _dispatch(self, actions: list[Any], t: float) -> None:
+        for a in actions:
+            if isinstance(a, Admit):
+                self._produced(a.item_id, t, a.blocked_s)
+                self.hub.send(a.producer, {"op": "admit", "next": self._next_id()})
+            elif isinstance(a, Assignment):
+                self._assign(a)
+            elif isinstance(a, NoWork):
+                self.hub.send(self.roles.n_target + a.drafter, {"op": "nowork", "step": a.step})
+
+    def _assign(self, a: Assignment) -> None:
+        drafter_rank = self.roles.n_target + a.drafter
+        self._assigned[a.drafter] = a
+        self.drafter_wait_s += a.wait_s
+        for x in a.transfers:  # the producer's part of each round first: it posts its send at once
+            self.hub.send(x.producer, {"op": "send", "round": x.round, "item_id": x.item_id, "dst": drafter_rank})
+        self.hub.send(drafter_rank, {"op": "assign", "step": a.step, "transfers": [
+            {"round": x.round, "item_id": x.item_id, "src": x.producer, "meta": x.meta} for x in a.transfers]})
+
+    def _commit(self, step: int, done: dict[int, dict[str, Any]], t: float) -> None:
+        """Every drafter finished ``step``: ledger first, then take records in drafter order, then the step."""
+        ids = [i for d in sorted(done) for take in done[d]["takes"] for i in take["item_ids"]]
+        self.ledger.commit(step, ids)
+        self.feed.trained(ids)
+        self.trained += len(ids)
+        self.coord.core.counters.trained += len(ids)
+        for d in sorted(done):
+            a = self._assigned.pop(d, None)
+            for take in done[d]["takes"]:
+                assert a is not None and [i.item_id for i in a.items] == take["item_ids"], "take report mismatch"
+                self.records.write("take", t=a.t, drafter=d, rank=self.roles.n_target + d, pid=done[d]["pid"],
+                                   step=step, item_ids=take["item_ids"], bucket=a.bucket, wait_s=a.wait_s,
+                                   depth_before=a.depth_before, bucket_depths=list(a.bucket_depths), gate=a.gate,
+                                   rounds=[x.round for x in a.transfers],
+                                   producers=[x.producer for x in a.transfers],
+                                   **{k: take[k] for k in ("compute_s", "transfer_s", "bytes", "tokens", "n_seqs",
+                                                           "anchors", "counted_tokens")})
+        info = done[0]["step_info"]
+        per_rank = {str(self.roles.n_target + d): done[d]["stages"] for d in sorted(done)}
+        self.records.write("step", t=t, step=step, **info, stages=done[0]["stages"], rank_stages=per_rank,
+                           queue=self.coord.state())
+        self._apply_control(step=step + 1)
+
+    def _stop(self, t: float, host_bye: dict[str, Any]) -> None:
+        self.close_t = t
+        for _w, b in sorted(self.coord.blocked.items()):  # held at the cap: produced, and discarded below
+            self._produced(b.item.item_id, t, t - b.t)
+        discarded, actions = self.coord.stop()
+        self._dispatch(actions, t)
+        self.discarded = [i.item_id for i in discarded]
+        for p in self.roles.target_ranks:
+            self.hub.send(p, {"op": "stop"})
+        c = self.coord.core.counters
+        produced = self.produced
+        summary = {"produced": self.before["trained"] + produced, "trained": self.before["trained"] + self.trained,
+                   "skipped_no_anchors": 0, "discarded_at_stop": len(self.discarded),
+                   "discarded_ids": list(self.discarded),
+                   "replayed": self.before.get("replayed", 0) + self.feed.replayed, **host_bye.get("summary", {}),
+                   "queue_stats": {"takes": c.takes, "max_depth_seen": c.max_depth_seen,
+                                   "peak_queued_bytes": c.peak_queued_bytes,
+                                   "max_item_age_s": list(c.per_bucket_max_age_s),
+                                   "producer_blocked_s": self.producer_blocked_s,
+                                   "drafter_wait_s": self.drafter_wait_s},
+                   "ranks": {"targets": self.roles.target_ranks, "drafters": self.roles.drafter_ranks}}
+        self.summary = summary
+
+    # ------------------------------------------------------------------ checkpoints
+    def snapshot(self, step: int, timeout: float) -> dict[str, Any]:
+        """The coordinator's part of the checkpoint after ``step`` (waits for the ledger to commit it)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self.ledger.last_step < step:
+                if self.error is not None:
+                    raise RuntimeError(f"coordinator failed: {self.error}") from self.error
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ledger step {step} not committed within {timeout} s (a drafter rank hangs)")
+                self._lock.wait(0.5)
+            return {"t": self.now(), "feed": self.feed.state(), "queue_core": self.coord.core.state_dict(),
+                    "queue_config": dict(self.cfg.queue.__dict__), "control_serial": self.control_serial,
+                    "ledger_step": step,
+                    "trained": self.before["trained"] + self.trained,
+                    "replayed": self.before.get("replayed", 0) + self.feed.replayed}
+
+    # ------------------------------------------------------------------ live re-tuning
+    def _write_control_start(self) -> None:
+        self.records.write("control", t=self.now(), accepted=True, step=None,
+                           change={"start": dict(self.cfg.queue.__dict__)},
+                           reason="resumed queue config" if self.before["trained"] else "initial queue config")
+
+    def _apply_control(self, step: int | None, at_start: bool = False) -> None:
+        """A new control file: validated against the run's own config, recorded either way; never fatal."""
+        ctl = read_control(self.out)
+        if ctl is None or ctl["serial"] <= self.control_serial:
+            return
+        self.control_serial = ctl["serial"]
+        change = ctl["queue"]
+        when = "at resume" if at_start else "between takes"
+        try:
+            if not isinstance(change, dict) or not change:
+                raise ConfigError("control", "must hold a non-empty 'queue' table", change)
+            cfg = with_overrides(self.cfg, {f"queue.{k}": v for k, v in change.items()})
+        except (ConfigError, TypeError, ValueError) as exc:
+            reason = exc.line() if isinstance(exc, ConfigError) else f"control: {exc}"
+            self.records.write("control", t=self.now(), accepted=False, change=_plain(change), step=step,
+                               serial=ctl["serial"], reason=reason)
+            self.progress(f"live change #{ctl['serial']} rejected: {reason}")
+            return
+        self.cfg = cfg
+        self.coord.reconfigure(cfg.queue)
+        self.records.write("control", t=self.now(), accepted=True, change=change, step=step, serial=ctl["serial"],
+                           queue=dict(cfg.queue.__dict__), applied=when)
+        self.progress(f"live change #{ctl['serial']} applied {when}: {change}")
+
+
+def _plain(value: Any) -> Any:
+    """A rejected control value, kept recordable whatever it is."""
+    import json
+
+    try:
+        json.dumps(value, allow_nan=False)
+        return value
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)[:500]

@@ -1,0 +1,276 @@
+"""The two worker loops of a rank: a target rank produces items, a drafter rank trains on its takes.
+
+**Producer** (target rank): ask the coordinator for an item id, form the item from its id, run the
+frozen target to the captured layers, keep the tensors in its own memory, report the item *ready*
+(shapes, bytes, a content fingerprint) and wait to be admitted (it blocks here while the queue is at
+its cap); repeat. A reader thread routes the coordinator's messages; a sender thread runs this rank's
+part of each transfer round, in increasing round order, as soon as the coordinator assigns the item.
+
+**Drafter** (drafter rank): every optimizer step the drafter ranks agree whether to stop (one small
+all-reduce), each asks for its take of the step, receives the item's tensors in its rounds, runs the
+drafter's forward and backward on its unnormalised loss sum, and the ranks all-reduce the gradient
+sums and the weight (valid positions) sums; every gradient is divided by the global weight, so two
+ranks give the update of one process on the union of their batches. A rank with nothing to train
+contributes zero gradients (a zero-weight backward); the optimizer step is skipped only when the
+global weight is 0, and the loop ends when no rank got an item (drained).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dflash.core.sampler import ItemSpec
+from dflash.pipeline.channel import Channel, ChannelError
+from dflash.pipeline.transport import TensorMeta, Transport, describe, fingerprint
+
+# Stop reasons agreed by the drafter ranks (all-reduce MAX: the highest code wins).
+STOP_NONE, STOP_MAX_STEPS, STOP_MAX_MINUTES, STOP_SIGNAL = 0, 1, 2, 3
+STOP_NAMES = {STOP_MAX_STEPS: "max_steps", STOP_MAX_MINUTES: "max_minutes", STOP_SIGNAL: "signal"}
+
+
+def item_generator(seed: int, item_id: str) -> torch.Generator:
+    """The anchor sampler of one item: a function of (seed, item id), whichever rank trains it."""
+    digest = hashlib.sha1(f"{seed}/{item_id}".encode()).hexdigest()
+    return torch.Generator().manual_seed(int(digest[:15], 16))
+
+
+def capture_item(data: Any, target: Any, capture: Any, spec: ItemSpec, device: torch.device,
+                 state_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Tokenise, pad and capture one item: (hidden, input_ids, attention_mask, loss_mask) on ``device``."""
+    from dflash.model.target import collate
+
+    batch = [data.encode(i) for i in spec.seq_indices]
+    pad = target.tokenizer.pad_token_id
+    input_ids, attention_mask, loss_mask = collate(batch, pad if pad is not None else 0)
+    hidden = capture(input_ids.to(device), attention_mask.to(device)).to(state_dtype)
+    return hidden, input_ids.to(device), attention_mask.to(device), loss_mask.to(device)
+
+
+@dataclass
+class Status:
+    """What a rank is doing, in a small file per rank, so a hung job names its ranks and where they wait."""
+
+    path: Any
+    rank: int
+
+    def __call__(self, what: str) -> None:
+        try:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(f"rank {self.rank} (pid {os.getpid()}): {what}\n")
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+
+# ====================================================================== producer
+class Producer:
+    """A target rank's loop; ``make(spec)`` computes an item's tensors."""
+
+    def __init__(self, channel: Channel, transport: Transport, make: Callable[[ItemSpec], tuple[torch.Tensor, ...]],
+                 item_spec: Callable[[str], ItemSpec], *, check: bool, status: Status) -> None:
+        self.ch, self.transport, self.make, self.item_spec = channel, transport, make, item_spec
+        self.check, self.status = check, status
+        self.held: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._lock = threading.Lock()
+        self._replies: queue.Queue[dict[str, Any] | BaseException] = queue.Queue()
+        self._sends: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.send_s = 0.0
+        self.sent_bytes = 0
+        self.errors: list[BaseException] = []
+
+    def run(self) -> None:
+        reader = threading.Thread(target=self._read, name="producer-reader", daemon=True)
+        sender = threading.Thread(target=self._send_loop, name="producer-sender", daemon=True)
+        reader.start()
+        sender.start()
+        self.ch.send({"op": "next"})
+        reply = self._reply()
+        while reply["op"] == "admit" and reply["next"] is not None:
+            reply = self._produce(self.item_spec(reply["next"]))
+        if reply["op"] == "admit":  # the feed is exhausted: close, then wait for the end of the run
+            self.ch.send({"op": "closed"})
+            self.status("closed; waiting for the end of the run")
+            reply = self._reply()
+        self._sends.put(None)
+        sender.join()
+        if self.errors:
+            raise self.errors[0]
+        self.ch.send({"op": "bye", "send_s": self.send_s, "bytes": self.sent_bytes})
+
+    def _produce(self, spec: ItemSpec) -> dict[str, Any]:
+        self.status(f"computing item {spec.item_id}")
+        t0 = time.perf_counter()
+        tensors = self.make(spec)
+        compute = time.perf_counter() - t0
+        with self._lock:
+            self.held[spec.item_id] = tensors
+        meta = {"tensors": describe(tensors), "fingerprint": fingerprint(tensors) if self.check else None}
+        nbytes = int(tensors[0].numel() * tensors[0].element_size())
+        self.ch.send({"op": "ready", "item_id": spec.item_id, "nbytes": nbytes, "meta": meta, "compute_s": compute,
+                      "pid": os.getpid()})
+        self.status(f"item {spec.item_id} ready; waiting to be admitted")
+        return self._reply()
+
+    def _reply(self) -> dict[str, Any]:
+        got = self._replies.get()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.ch.recv(None)
+                if msg["op"] == "send":
+                    self._sends.put(msg)
+                else:
+                    self._replies.put(msg)
+                    if msg["op"] == "stop":
+                        return
+        except (ChannelError, OSError) as exc:
+            self._replies.put(ChannelError(f"lost the coordinator: {exc}"))
+            self._sends.put(None)
+
+    def _send_loop(self) -> None:
+        """This rank's part of each round, in increasing round order (the order the coordinator assigned)."""
+        try:
+            while (msg := self._sends.get()) is not None:
+                with self._lock:
+                    tensors = self.held.pop(msg["item_id"])
+                self.status(f"sending item {msg['item_id']} to rank {msg['dst']} in round {msg['round']}")
+                self.send_s += self.transport.send(tensors, msg["dst"], msg["round"])
+                self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        except BaseException as exc:  # surfaced by run()
+            self.errors.append(exc)
+            self._replies.put(exc)
+
+
+# ====================================================================== drafter
+@dataclass
+class StepResult:
+    takes: list[dict[str, Any]] = field(default_factory=list)
+    loss_sum: float = 0.0
+    tokens: int = 0
+    anchors: int = 0
+    n_items: int = 0
+    real_tokens: int = 0
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+class DrafterWorker:
+    """A drafter rank's loop (the host rank also checkpoints through ``on_step``)."""
+
+    def __init__(self, channel: Channel, transport: Transport, drafter: Any, optimizer: Any, scheduler: Any, *,
+                 group: Any, reduce_device: torch.device, device: torch.device, seed: int, grad_clip: float,
+                 autocast: bool, wait_s: float, check: bool, status: Status,
+                 verify_ids: Callable[[str, tuple[torch.Tensor, ...]], None] | None = None) -> None:
+        self.ch, self.transport, self.drafter = channel, transport, drafter
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.group, self.reduce_device, self.device = group, reduce_device, device
+        self.seed, self.grad_clip, self.autocast, self.wait_s = seed, grad_clip, autocast, wait_s
+        self.check, self.status, self.verify_ids = check, status, verify_ids
+        self.params = list(drafter.trainable_parameters())
+
+    def agree_stop(self, local_code: int) -> int:
+        flag = torch.tensor([local_code], dtype=torch.int64, device=self.reduce_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item())
+
+    def step(self, step: int) -> tuple[StepResult, dict[str, Any]] | None:
+        """One synchronised optimizer step; None when no drafter rank got an item (drained)."""
+        res = StepResult()
+        t0 = time.perf_counter()
+        self.status(f"step {step}: waiting for a take")
+        self.ch.send({"op": "request", "step": step})
+        reply = self.ch.recv(self.wait_s)
+        res.stages["gate_wait_s"] = time.perf_counter() - t0
+        if reply["op"] == "assign":
+            res.takes.append(self._train_take(step, reply["transfers"], res))
+        stats = torch.tensor([res.loss_sum, res.tokens, res.anchors, res.n_items, res.real_tokens],
+                             dtype=torch.float64, device=self.reduce_device)
+        t1 = time.perf_counter()
+        dist.all_reduce(stats, group=self.group)
+        loss_sum, tokens, anchors, n_items, real_tokens = (float(x) for x in stats.tolist())
+        if n_items == 0:
+            return None
+        grad_norm, lr = self._apply_gradients(tokens)
+        res.stages["optimizer_s"] = time.perf_counter() - t1
+        info = {"loss": loss_sum / tokens if tokens > 0 else math.nan, "lr": lr, "anchors": int(anchors),
+                "tokens": int(real_tokens), "counted_tokens": int(tokens), "grad_norm": grad_norm,
+                "items": int(n_items)}
+        return res, info
+
+    def _train_take(self, step: int, transfers: list[dict[str, Any]], res: StepResult) -> dict[str, Any]:
+        take = {"item_ids": [], "compute_s": 0.0, "transfer_s": 0.0, "bytes": 0, "tokens": 0, "n_seqs": 0,
+                "anchors": 0, "counted_tokens": 0}
+        for x in transfers:  # this rank's part of each round, in increasing round order
+            metas: tuple[TensorMeta, ...] = x["meta"]["tensors"]
+            self.status(f"step {step}: receiving item {x['item_id']} from rank {x['src']} in round {x['round']}")
+            tensors, dt = self.transport.recv(metas, x["src"], x["round"])
+            self._check(x, tensors)
+            take["transfer_s"] += dt
+            take["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+            tc = time.perf_counter()
+            hidden, input_ids, attention_mask, loss_mask = tensors
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                out = self.drafter.loss(hidden, input_ids, loss_mask, attention_mask,
+                                        generator=item_generator(self.seed, x["item_id"]))
+            out.loss_sum.backward()  # unnormalised: divided by the global weight after the all-reduce
+            take["compute_s"] += time.perf_counter() - tc
+            take["item_ids"].append(x["item_id"])
+            take["tokens"] += int(attention_mask.sum())
+            take["n_seqs"] += int(input_ids.shape[0])
+            take["anchors"] += int(out.anchors)
+            take["counted_tokens"] += int(out.tokens)
+            res.loss_sum += float(out.loss_sum.detach())
+            res.tokens += int(out.tokens)
+            res.anchors += int(out.anchors)
+            res.n_items += 1
+            res.real_tokens += int(attention_mask.sum())
+        res.stages["transfer_s"] = take["transfer_s"]
+        res.stages["drafter_compute_s"] = take["compute_s"]
+        return take
+
+    def _check(self, x: dict[str, Any], tensors: tuple[torch.Tensor, ...]) -> None:
+        """A received item must be the item assigned: its fingerprint, and its tokens formed from its id."""
+        if not self.check:
+            return
+        want = x["meta"]["fingerprint"]
+        if want is not None and fingerprint(tensors) != want:
+            raise RuntimeError(f"item {x['item_id']} from rank {x['src']} (round {x['round']}) arrived with other "
+                               f"content than was sent")
+        if self.verify_ids is not None:
+            self.verify_ids(x["item_id"], tensors)
+
+    def _apply_gradients(self, weight: float) -> tuple[float, float]:
+        """Sum gradients over the drafter ranks, divide by the global weight, clip, step (skipped at weight 0)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.reduce_device)
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(flat, group=self.group)
+        lr = self.scheduler.get_last_lr()[0]
+        if weight <= 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return math.nan, lr
+        flat = flat.to(self.params[0].device).div_(weight)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, lr
