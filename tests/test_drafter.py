@@ -359,3 +359,48 @@ def test_save_load_round_trip(tmp_path):
                                    rtol=0, atol=0)
     half = DFlashDrafter.load(out, target, dtype=torch.bfloat16)
     assert half.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- drafters saved before format 2
+def _as_format_1(out, qk_norm: bool, attention_bias: bool = False) -> None:
+    """Rewrite a saved drafter's spec the way format 1 wrote it (family-dependent layers)."""
+    import json
+
+    meta = json.loads((out / CONFIG_FILE).read_text())
+    meta["spec"].update(format=1, qk_norm=qk_norm, attention_bias=attention_bias)
+    (out / CONFIG_FILE).write_text(json.dumps(meta))
+
+
+def test_format_1_drafter_with_qwen3_layers_loads_exactly(tmp_path):
+    """A format-1 drafter of a Qwen3 target already had Qwen3-style layers: the same tensors, the same
+    math, so it loads as it is (an exact conversion)."""
+    target, drafter = make(block_size=8, layers=2, dtype=torch.float32)
+    out = drafter.save(tmp_path / "old")
+    _as_format_1(out, qk_norm=True)
+    back = DFlashDrafter.load(out, target)
+    ids, _, _, ctx = rand_batch(target, [40])
+    anchors = torch.tensor([LEAK_ANCHORS])
+    with torch.no_grad():
+        assert torch.equal(back.block_logits(ctx, ids, anchors), drafter.block_logits(ctx, ids, anchors))
+    assert back.spec == drafter.spec
+
+
+@pytest.mark.parametrize("qk_norm, bias", [(False, False), (True, True)])
+def test_format_1_drafter_with_family_layers_is_refused_with_one_line(tmp_path, qk_norm, bias):
+    from dflash.model.drafter import DrafterFormatError
+
+    target, drafter = make(dtype=torch.float32)
+    out = drafter.save(tmp_path / "old")
+    _as_format_1(out, qk_norm=qk_norm, attention_bias=bias)
+    with pytest.raises(DrafterFormatError) as err:
+        DFlashDrafter.load(out, target)
+    line = err.value.line()
+    assert "\n" not in line and "retrain it" in line and str(out) in line
+
+
+def test_draft_layers_are_qwen3_style_for_a_llama_target():
+    _, drafter = make(layers=2)
+    names = set(drafter.state_dict())
+    for i in range(2):
+        assert {f"layers.{i}.self_attn.q_norm.weight", f"layers.{i}.self_attn.k_norm.weight"} <= names
+    assert not any(n.endswith(".bias") for n in names)

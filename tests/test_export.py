@@ -314,3 +314,29 @@ def test_independent_reader_loads_the_export_and_agrees(run, tmp_path, fmt):
     assert name == "independent reader (speculators)" and status == "ok", detail
     assert "layer ids [2, 3, 4]" in detail
     print(detail)
+
+
+@needs_speculators
+def test_our_speculators_layout_is_what_its_converter_writes(run, tmp_path):
+    """speculators' DFlashConverter turns our z-lab export into a config equal to our speculators
+    export's on every key it writes (the verifier path aside), and into the same draft tensors."""
+    import subprocess
+
+    from dflash.model.export_independent import READER
+
+    zlab, ours = do_export(run, "zlab"), do_export(run, "speculators")
+    res = subprocess.run([str(speculators_python()[0]), str(READER), "--format", "zlab", "--export", str(zlab),
+                          "--verifier", str(run["root"] / "target"), "--out", str(tmp_path / "read")],
+                         capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    conv = json.loads((tmp_path / "read" / "speculators_config.json").read_text())
+    mine = json.loads((ours / CONFIG_JSON).read_text())
+    for key in ("speculators_model_type", "architectures", "aux_hidden_state_layer_ids", "block_size", "mask_token_id",
+                "draft_vocab_size", "sample_from_anchor", "sliding_window_non_causal"):
+        assert mine[key] == conv[key], key
+    for key, value in conv["transformer_layer_config"].items():
+        if key not in ("transformers_version", "max_window_layers", "use_cache") and value is not None:
+            assert mine["transformer_layer_config"].get(key) == value, key
+    sc, mc = conv["speculators_config"], mine["speculators_config"]
+    assert (mc["algorithm"], mc["proposal_methods"], mc["default_proposal_method"]) == \
+        (sc["algorithm"], sc["proposal_methods"], sc["default_proposal_method"])

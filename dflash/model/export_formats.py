@@ -196,9 +196,10 @@ class SpeculatorsFormat:
 
     def config(self, spec: DrafterSpec, target: TargetInfo, dtype: torch.dtype) -> dict[str, Any]:
         layer = qwen3_layer_config(spec, target, dtype)
-        layer["architectures"] = ["Qwen3ForCausalLM"]
+        layer["dtype"] = layer["torch_dtype"]  # transformers 5 writes "dtype", 4.x "torch_dtype"
+        # The keys and values speculators' DFlashConverter writes (checked against its output in tests).
         return {
-            "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+            "architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash",
             "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
             "draft_vocab_size": spec.vocab_size, "block_size": spec.block_size, "target_hidden_size": None,
             # speculators indexes hidden_states directly: hidden_states[id + 1] is its id + 1
@@ -206,10 +207,11 @@ class SpeculatorsFormat:
             "mask_token_id": spec.mask_token_id, "sliding_window_non_causal": False, "sample_from_anchor": False,
             "speculators_config": {
                 "algorithm": "dflash", "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1}],
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1,
+                                      "accept_tolerance": 0.0, "verifier_accept_k": 1}],
                 "verifier": {"name_or_path": target.source, "architectures": list(target.architectures)},
             },
-            "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
+            "tie_word_embeddings": False, "dtype": layer["dtype"], "torch_dtype": layer["dtype"],
         }
 
     def extra_tensors(self, embed: torch.Tensor, head: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -15,7 +15,8 @@ Then the reference block of the export (``dflash_reference.safetensors``) runs t
 model's own modules the way upstream's inference does (``fc`` -> ``hidden_norm`` on the context, the
 block embedded with speculators' ``embed_tokens``, every decoder layer with no mask, ``norm``,
 ``lm_head``), and the hidden states, the logits on the reference rows and the config values the
-model reads (layer ids, block size, MASK id) are written to ``--out``.
+model reads (layer ids, block size, MASK id) are written to ``--out``, with the speculators
+``config.json`` it loaded (for a z-lab export: the one its converter wrote).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
-def load(fmt: str, export: Path, verifier: str):
+def load(fmt: str, export: Path, verifier: str) -> tuple[Any, Path]:
     from speculators.models.dflash import DFlashDraftModel
 
     path = export
@@ -38,10 +40,10 @@ def load(fmt: str, export: Path, verifier: str):
         path = Path(tempfile.mkdtemp(prefix="dflash-speculators-")) / "converted"
         DFlashConverter().convert(str(export), str(path), base_model=verifier, validate=True)
     model = DFlashDraftModel.from_pretrained(str(path))
-    return model.float().eval()
+    return model.float().eval(), path
 
 
-def forward(model, ref: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(model: Any, ref: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     model.config.transformer_layer_config._attn_implementation = "eager"  # no mask: the block sees all context
     with torch.no_grad():
         ctx = model.hidden_norm(model.fc(ref["context"]))
@@ -65,7 +67,7 @@ def main() -> None:
     ap.add_argument("--verifier", required=True)
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args()
-    model = load(a.format, a.export, a.verifier)
+    model, path = load(a.format, a.export, a.verifier)
     ref = load_file(str(a.export / "dflash_reference.safetensors"))
     hidden, logits = forward(model, ref)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -77,6 +79,7 @@ def main() -> None:
         "mask_token_id": model.config.mask_token_id, "speculators_version": version("speculators"),
         "state_dict_keys": sorted(model.state_dict()),
     }))
+    (a.out / "speculators_config.json").write_text((path / "config.json").read_text())  # as it was loaded
 
 
 if __name__ == "__main__":
