@@ -1,46 +1,91 @@
-"""Sweep throughput: trials per minute, serial versus --workers 2, side by side in one run.
+"""Sweep throughput in distinct trials per minute: one worker versus --workers 2, side by side in one run.
 
-Run: python benchmarks/sweep_speed.py [--trials N]
-The drafter-bound example (examples/h200-8b-drafter-bound.toml) with one seed and one simulated
-hour per trial, NSGA-II, a fresh journal storage per contender. Goals (issue #6): --workers 2 >=
-1.8x serial; 1,000 such trials in under 5 minutes on 2 cores (run with --trials 1000).
-Wall time includes everything a user waits for: process start-up of the workers, the study's
-storage traffic, the selection's extra evaluations of baseline and handpicked, and the export.
+Run: python benchmarks/sweep_speed.py [--trials 40] [--calibration FILE] [--workers 2]
+The demo's sweep shape (issue #18 item 5): the CPU profile (dflash/profiles/cpu-smollm2.toml),
+calibrated when --calibration is given (``dflash demo`` writes one: dflash-demo/calibration.json),
+40 trials x 2 seeds x 30 simulated minutes, NSGA-II, a fresh journal storage per contender. Goal:
+--workers 2 >= 1.8x one worker on 2 cores, counting only distinct trials (a repeated configuration
+is not a trial gained). Wall time is everything a user waits for: worker start-up, storage traffic
+and locking, baseline and handpicked for the selection, and the Parquet export. The machine's load
+(``os.getloadavg``) is printed before and after: a busy core depresses the ratio, so the CPU
+seconds per trial (this process and its workers) and the mean number of trials running at once
+are printed too; they show whether running in parallel adds work or only waits for cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
+import os
+import resource
 import tempfile
 import time
 from pathlib import Path
 
+import optuna
+from optuna.trial import TrialState
+
 from dflash.core.config import load_config, with_overrides
+from simulator.calibration import apply_calibration
+from tuning.study import open_storage
 from tuning.sweep import SweepArgs, run_sweep
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "h200-8b-drafter-bound.toml"
+PROFILE = Path(__file__).resolve().parent.parent / "dflash" / "profiles" / "cpu-smollm2.toml"
+
+
+def distinct_complete(storage: str, study: str) -> tuple[int, int, float]:
+    """(complete trials, distinct effective queues among them, summed trial durations in s)."""
+    st = optuna.load_study(study_name=study, storage=open_storage(storage))
+    done = st.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    queues = {json.dumps({k: v for k, v in t.user_attrs.items() if k.startswith("queue_")}, sort_keys=True)
+              for t in done}
+    busy = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in done)
+    return len(done), len(queues), busy
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process and its reaped children (the forked workers) so far."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trials", type=int, default=200)
+    ap.add_argument("--trials", type=int, default=40)
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--sim-seconds", type=float, default=1800.0)
+    ap.add_argument("--workers", type=int, default=2, help="the parallel contender (default 2)")
+    ap.add_argument("--config", default=str(PROFILE))
+    ap.add_argument("--calibration", default=None, help="calibration JSON (dflash calibrate / dflash demo)")
     args = ap.parse_args()
-    cfg = with_overrides(load_config(EXAMPLE), {"sweep.seeds_per_trial": 1, "sweep.sim_seconds": 3600.0})
-    results = {}
+    cfg = with_overrides(load_config(args.config), {"sweep.seeds_per_trial": args.seeds,
+                                                    "sweep.sim_seconds": args.sim_seconds})
+    cfg = apply_calibration(cfg, args.calibration)
+    print(f"{Path(args.config).name}, calibration {args.calibration or 'none (timing as configured)'}; "
+          f"{args.trials} trials x {args.seeds} seeds x {args.sim_seconds:g} simulated s; {os.cpu_count()} CPUs; "
+          f"load average {load()}")
+    rates, cpu_per = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for workers in (1, 2):
+        for workers in (1, args.workers):
             out = Path(tmp) / f"w{workers}"
             sargs = SweepArgs(trials=args.trials, storage=str(out / "study.journal"), study="bench",
-                              workers=workers, grid=False, out=out, calibration=None)
-            t0 = time.perf_counter()
-            res = run_sweep(cfg, dataclasses.replace(sargs), progress=False)
-            wall = time.perf_counter() - t0
-            assert res["complete"] == args.trials
-            results[workers] = wall
-            print(f"workers {workers}: {args.trials} trials in {wall:6.1f} s  "
-                  f"({60 * args.trials / wall:6.1f} trials/min)")
-    print(f"speed-up --workers 2 / serial: {results[1] / results[2]:.2f}x")
+                              workers=workers, grid=False, out=out, calibration=args.calibration)
+            t0, c0 = time.perf_counter(), cpu_s()
+            run_sweep(cfg, sargs, progress=False)
+            wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+            complete, distinct, busy = distinct_complete(sargs.storage, "bench")
+            rates[workers] = distinct / wall
+            cpu_per[workers] = cpu / distinct
+            print(f"workers {workers}: {complete} complete, {distinct} distinct trials in {wall:6.1f} s  "
+                  f"({60 * rates[workers]:6.1f} distinct trials/min); trials running at once on average "
+                  f"{busy / wall:.2f}; CPU {cpu:.1f} s ({cpu_per[workers]:.2f} s per trial); load average {load()}")
+    print(f"speed-up --workers {args.workers} / one worker (distinct trials per second): "
+          f"{rates[args.workers] / rates[1]:.2f}x; CPU per trial {cpu_per[args.workers] / cpu_per[1]:.2f}x "
+          f"(1.00x = no work added by running in parallel)")
 
 
 if __name__ == "__main__":

@@ -97,8 +97,11 @@ def open_study(cfg: DflashConfig, args: SweepArgs) -> optuna.Study:
     storage = open_storage(args.storage)
     n_obj = 2 if cfg.sweep.mode == "pareto" or args.grid else 1
     with study_lock(args.storage, args.study):  # several workers may open a new study at once
-        study = optuna.create_study(storage=storage, study_name=args.study, sampler=_sampler(cfg, args, 0),
-                                    directions=["maximize"] * n_obj, load_if_exists=True)
+        try:  # load first: create_study(load_if_exists=True) appends a failed create to a journal
+            study = optuna.load_study(study_name=args.study, storage=storage, sampler=_sampler(cfg, args, 0))
+        except KeyError:
+            study = optuna.create_study(storage=storage, study_name=args.study, sampler=_sampler(cfg, args, 0),
+                                        directions=["maximize"] * n_obj)
         identity = clean_json(_identity(cfg, args))
         stored = study.user_attrs.get("identity")
         if stored is None:
