@@ -1,0 +1,138 @@
+"""Memory: the per-device model (numbers derived by hand), its pre-flight check and sweep
+constraint, and a simulator whose own memory does not grow with simulated time."""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import pytest
+
+from dflash.core.config import config_from_dict, with_overrides
+from dflash.core.errors import ConfigError
+from dflash.core.memory_model import GIB, check_fits, device_memory
+from dflash.core.runmetrics import run_metrics
+from simulator.run import simulate
+from simulator.workload import make_sampler
+from tuning.evaluate import Evaluator, constraint_values
+
+# Qwen3-8B-like target, ~1B drafter, the H200 example's workload and queue.
+QWEN3_8B = {
+    "workload": {"lengths": "lognormal", "n_sequences": 2000, "seqs_per_item": 8, "max_len": 2048},
+    "cluster": {"n_target": 4, "n_drafter": 4},
+    "queue": {"min_ready": 30, "max_depth": 90},
+    "target": {"capture_layers": 5},
+    "drafter": {"anchors": 512, "block_size": 16},
+    "timing": {"hidden_size": 4096, "dtype_bytes": 2},
+    "memory": {"target_params": 8e9, "drafter_params": 1e9, "vocab_size": 151936},
+}
+ITEM = 8 * 2048 * 5 * 4096 * 2  # 671,088,640 bytes: 8 sequences x 2048 tokens x 40 KiB
+
+
+def parts(dev) -> dict[str, float]:
+    return dict(dev.parts)
+
+
+def test_device_memory_by_hand() -> None:
+    target, drafter = device_memory(config_from_dict(QWEN3_8B))
+    t = parts(target)
+    assert t["weights"] == 16e9  # 8e9 parameters x 2 bytes on one GPU
+    assert t["hidden states"] == 90 / 4 * ITEM + ITEM  # an even share of 90 queued items + the one at the cap
+    d = parts(drafter)
+    assert (d["weights"], d["gradients"], d["optimizer"]) == (2e9, 2e9, 12e9)
+    assert d["hidden states"] == ITEM  # one item per take
+    assert d["frozen embedding and head"] == 2 * 151936 * 4096 * 2
+    rows = 8 * 512 * 15  # 8 sequences x 512 anchors x 15 predicted slots per block
+    assert d["logits"] == rows * 151936 * 14
+    assert drafter.total / GIB == pytest.approx(139.56, abs=0.01)  # the logits alone are 121.7 GiB
+
+
+def test_sharded_targets_split_their_weights_not_their_hidden_states() -> None:
+    cfg = config_from_dict({**QWEN3_8B, "cluster": {"n_target": 1, "n_drafter": 4, "gpus": 8, "gpus_per_target": 4}})
+    t = parts(device_memory(cfg)[0])
+    assert t["weights"] == 4e9 and t["hidden states"] == 90 * ITEM + ITEM
+
+
+def test_unknown_sizes_are_not_counted_and_say_so() -> None:
+    target, drafter = device_memory(config_from_dict({k: v for k, v in QWEN3_8B.items() if k != "memory"}))
+    assert list(parts(target)) == ["hidden states"] and "memory.target_params" in target.not_counted[0]
+    assert list(parts(drafter)) == ["hidden states"] and len(drafter.not_counted) == 2
+
+
+def test_check_fits_refuses_in_one_line_with_the_numbers() -> None:
+    cfg = config_from_dict({**QWEN3_8B, "sweep": {"memory_budget_gib": 139.0}})
+    with pytest.raises(ConfigError) as err:
+        check_fits(cfg)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("sweep.memory_budget_gib: a drafter device needs 139.6 GiB")
+    assert "logits 121.7" in line and "optimizer 11.2" in line and "budget of 139 GiB per device" in line
+    check_fits(with_overrides(cfg, {"sweep.memory_budget_gib": 141.0}))  # fits: no error
+    check_fits(with_overrides(cfg, {"drafter.anchors": 128}))  # a quarter of the logits fits in 139
+    check_fits(config_from_dict({k: v for k, v in QWEN3_8B.items() if k != "sweep"}))  # no budget, no check
+
+
+def test_the_sweep_constraint_uses_the_simulated_peaks_per_device() -> None:
+    """Drafter-bound: the queue sits at max_depth, so each of 4 producers holds ~max_depth / 4 items."""
+    small = {**QWEN3_8B, "memory": {"target_params": 8e9}, "timing": {**QWEN3_8B["timing"],
+             "target_noise": "deterministic", "drafter_noise": "deterministic"}, "sweep": {"seeds_per_trial": 1}}
+    cfg = config_from_dict(small)
+    ev = Evaluator(cfg, sim_seconds=900).evaluate(cfg.queue)
+    held = ev.worst("peak_producer_bytes")
+    assert 90 / 4 * ITEM * 0.8 <= held <= 90 * ITEM  # lengths vary: items are at most ITEM
+    assert ev.worst("peak_device_bytes") == pytest.approx(16e9 + held)  # the target device is the fullest
+    budget = (16e9 + held) / GIB
+    assert constraint_values(ev, with_overrides(cfg, {"sweep.memory_budget_gib": budget * 1.01}), None)["memory"] < 0
+    assert constraint_values(ev, with_overrides(cfg, {"sweep.memory_budget_gib": budget * 0.99}), None)["memory"] > 0
+
+
+FAST = {"workload": {"lengths": "lognormal", "n_sequences": 3000, "seqs_per_item": 4},
+        "timing": {"target_per_token_s": 2e-5, "drafter_per_anchor_s": 1e-4}, "metrics": {"warmup_s": 60.0}}
+
+
+def traced_peak(cfg, sampler, seconds: float, **kw) -> tuple[int, object]:
+    tracemalloc.start()
+    res = simulate(cfg, sampler, sim_seconds=seconds, **kw)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak, res
+
+
+def test_a_long_simulation_keeps_no_events_unless_records_are_asked_for() -> None:
+    cfg = config_from_dict(FAST)
+    sampler = make_sampler(cfg.workload, seed=0)
+    # The sampler keeps up to 64 formed epochs (a bounded cache that sweeps reuse): form them first,
+    # so what is measured is the simulation's own memory.
+    simulate(cfg, sampler, sim_seconds=1000)
+    short_peak, short = traced_peak(cfg, sampler, 100)
+    long_peak, long = traced_peak(cfg, sampler, 1000)
+    assert long.summary["produced"] > 8 * short.summary["produced"]
+    assert not long.trace.produce_rows and not long.trace.take_rows
+    assert long_peak < 1.5 * short_peak  # flat, not 10x
+    assert len(long.series["depth"]) <= 1000 and len(long.series["windows"]) <= 1000
+    kept_peak, kept = traced_peak(cfg, sampler, 1000, keep_records=True)
+    assert len(kept.trace.produce_rows) == sum(1 for _ in kept.trace.produce_records()) > 0
+    assert kept_peak > 3 * long_peak  # records are what grew
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"queue.policy": "proportional", "queue.items_per_take": 3, "queue.gate": "hysteresis"},
+    {"cluster.drafter_sync": "none", "cluster.n_target": 1, "timing.target_noise": "deterministic",
+     "timing.drafter_noise": "deterministic"},
+])
+def test_streamed_metrics_equal_run_metrics_over_the_records(overrides: dict) -> None:
+    cfg = with_overrides(config_from_dict(FAST), overrides)
+    res = simulate(cfg, make_sampler(cfg.workload, seed=0), sim_seconds=1200, keep_records=True)
+    ref = run_metrics(res.trace, p=res.item_mix, min_ready=cfg.queue.min_ready, window=cfg.metrics.window,
+                      warmup_s=cfg.metrics.warmup_s, close_t=1200, n_target=cfg.cluster.n_target,
+                      n_drafter=cfg.cluster.n_drafter, n_buckets=len(res.item_mix),
+                      open_intervals=res.summary["open_intervals"])
+    assert ref["steady_state_reached"]
+    for key, want in ref.items():
+        got = res.metrics[key]
+        if isinstance(want, list):
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-9), key
+        elif isinstance(want, float) and math.isnan(want):
+            assert math.isnan(got), key
+        else:
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-9), key
