@@ -17,6 +17,8 @@ from typing import Any
 
 import pandas as pd
 
+from dflash.core.config import DflashConfig
+from dflash.model.export_serving import export_command, serving_commands, serving_target
 from reports.document import Bullets, Code, Missing, Section, Table, Text
 from reports.fmt import NA, fmt_bytes, fmt_metric, fmt_pm, num, queue_text
 from reports.inputs import Inputs
@@ -165,8 +167,30 @@ def section(inputs: Inputs) -> Section:
         val = inputs.validation
         if val is not None and val.data.get("best_toml") and val.data.get("chosen") == name:
             sec.blocks.append(Text(f"The configuration file: {val.dir / str(val.data['best_toml'])}"))
+        sec.blocks.extend(serving_blocks(inputs, name))
     sec.blocks.append(summary_table(name, measured, predicted))
     return sec
+
+
+def serving_blocks(inputs: Inputs, name: str) -> list[Text | Code]:
+    """How the run's drafter reaches a serving engine: ``dflash export`` (checked on load), then the
+    SGLang and vLLM commands that serve it next to its target (one home for their text:
+    :mod:`dflash.model.export_serving`). Target and block size are the chosen run's, else the
+    defaults ``dflash train`` would use; the run directory is the validation's run of the choice."""
+    val = inputs.validation
+    vc = val.config(name) if val is not None else None
+    run = vc.run if vc is not None and vc.run is not None else (inputs.runs[0] if inputs.runs else None)
+    cfg = (run.config if run is not None else None) or {}
+    defaults = DflashConfig()
+    target = (cfg.get("target") or {}).get("model") or defaults.target.model
+    block = int((cfg.get("drafter") or {}).get("block_size") or defaults.drafter.block_size)
+    run_dir = str(run.dir) if run is not None and run.source == "real" else "RUN_DIR"
+    export_dir = f"{run_dir}/export"
+    lines = [export_command(run_dir, export_dir)]
+    for engine, cmd in serving_commands(export_dir, target, block).items():
+        lines += ["", f"# {engine}: the drafter next to {serving_target(target)}", cmd]
+    return [Text("Export the trained drafter (z-lab layout, checked on load) and serve it next to its target:"),
+            Code("\n".join(lines))]
 
 
 def summary_table(name: str, measured: dict[str, View | None], predicted: dict[str, View | None]) -> Table:

@@ -340,3 +340,24 @@ def test_our_speculators_layout_is_what_its_converter_writes(run, tmp_path):
     sc, mc = conv["speculators_config"], mine["speculators_config"]
     assert (mc["algorithm"], mc["proposal_methods"], mc["default_proposal_method"]) == \
         (sc["algorithm"], sc["proposal_methods"], sc["default_proposal_method"])
+
+
+# --------------------------------------------------------------------------- serving commands in the report
+def test_report_launch_section_serves_the_export_next_to_its_target(tmp_path):
+    from reports.document import Code
+    from reports.inputs import Inputs
+    from reports.recommend import serving_blocks
+    from reports.runs import RunData
+
+    run = RunData(dir=tmp_path / "run", name="run", source="real",
+                  config={"target": {"model": "smollm2"}, "drafter": {"block_size": 10}})
+    code = next(b for b in serving_blocks(Inputs(runs=[run]), "tuned-1") if isinstance(b, Code)).text
+    export_dir = f"{tmp_path / 'run'}/export"
+    assert f"dflash export --drafter {tmp_path / 'run'} --out {export_dir}" in code
+    assert ("python -m sglang.launch_server --model-path HuggingFaceTB/SmolLM2-135M-Instruct "
+            f"--speculative-algorithm DFLASH --speculative-draft-model-path {export_dir} "
+            "--speculative-num-draft-tokens 10") in code
+    spec = json.dumps({"method": "dflash", "model": export_dir, "num_speculative_tokens": 9})
+    assert f"vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config '{spec}'" in code
+    none = next(b for b in serving_blocks(Inputs(), "x") if isinstance(b, Code)).text  # no run: the defaults
+    assert "--drafter RUN_DIR" in none and "--speculative-num-draft-tokens 16" in none
