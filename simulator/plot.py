@@ -1,8 +1,12 @@
-"""The simulator's figure: queue depth (total and stacked per bucket) and the rolling bucket mix."""
+"""The simulator's figure: queue depth (total and stacked per bucket) and the rolling bucket mix.
+
+It draws the run's downsampled series (``SimResult.series``: at most 1,000 points each), so a
+figure of a simulated week costs what a figure of an hour costs.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +16,13 @@ def bucket_labels(bounds: Sequence[int]) -> list[str]:
     return [f"({lo}, {hi}]" for lo, hi in zip(lows, bounds)]
 
 
-def plot_queue(take: Sequence[dict[str, Any]], bounds: Sequence[int], out: str | Path, *,
+def plot_queue(series: Mapping[str, Sequence[Any]], bounds: Sequence[int], out: str | Path, *,
                window: int = 32, title: str = "") -> Path:
-    """Top: stacked per-bucket depth seen at each take, total on top. Bottom: mix of each window."""
+    """Top: stacked per-bucket depth seen at takes, total on top. Bottom: bucket mix of windows.
+
+    ``series["depth"]``: (t, depth before the take, bucket depths) samples; ``series["windows"]``:
+    bucket counts of sampled windows of ``window`` taken items, in take order.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,28 +30,26 @@ def plot_queue(take: Sequence[dict[str, Any]], bounds: Sequence[int], out: str |
 
     k = len(bounds)
     labels = bucket_labels(bounds)
-    t = [r["t"] for r in take]
-    per_bucket = [[r["bucket_depths"][b] for r in take] for b in range(k)]
+    depth = list(series.get("depth", ()))
+    t = [row[0] for row in depth]
+    per_bucket = [[row[2][b] for row in depth] for b in range(k)]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6.5), constrained_layout=True)
     if t:
         ax1.stackplot(t, per_bucket, labels=labels, step="post", alpha=0.85)
-        ax1.plot(t, [r["depth_before"] for r in take], color="black", lw=0.6, label="total")
+        ax1.plot(t, [row[1] for row in depth], color="black", lw=0.6, label="total")
     ax1.set_xlabel("time (s)")
     ax1.set_ylabel("queue depth (items)")
-    ax1.set_title(title or "queue depth at each take, stacked by length bucket")
+    ax1.set_title(title or "queue depth at takes, stacked by length bucket")
     ax1.legend(loc="upper right", fontsize=7, ncol=k + 1)
 
-    items = [r["bucket"] for r in take for _ in r["item_ids"]]
-    n_win = len(items) // window
-    fractions = [[0.0] * n_win for _ in range(k)]
-    for w in range(n_win):
-        for b in items[w * window:(w + 1) * window]:
-            fractions[b][w] += 1 / window
+    windows = list(series.get("windows", ()))
+    n_win = len(windows)
+    fractions = [[w[b] / window for w in windows] for b in range(k)]
     if n_win:
         ax2.stackplot(range(n_win), fractions, labels=labels, step="post", alpha=0.85)
     ax2.set_xlim(0, max(n_win - 1, 1))
     ax2.set_ylim(0, 1)
-    ax2.set_xlabel(f"window of {window} taken items")
+    ax2.set_xlabel(f"sampled window of {window} taken items (in take order)")
     ax2.set_ylabel("bucket share in window")
     ax2.set_title("rolling bucket mix of what drafters took")
     out = Path(out)

@@ -181,3 +181,27 @@ def test_timing_config_rejects_an_empirical_model_without_samples() -> None:
 
     with pytest.raises(ConfigError, match=r"timing\.target_samples"):
         TimingConfig(target_noise="empirical")
+
+
+def test_long_runs_show_progress_on_stderr_and_memory_per_device(tiny_config: Path, capsys: pytest.CaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash.cli.verbs import simulate as verb
+
+    assert main(["simulate", "--config", str(tiny_config), "--sim-seconds", "600"]) == 0
+    quick = capsys.readouterr()
+    assert quick.err == ""  # a run of well under PROGRESS_AFTER_S wall seconds stays quiet
+    assert "memory per device: a target device needs" in quick.out and "not counted: " in quick.out
+    monkeypatch.setattr(verb, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(verb.time, "perf_counter", iter(range(0, 10_000, 2)).__next__)  # 2 s per call
+    assert main(["simulate", "--config", str(tiny_config), "--sim-seconds", "600"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("simulated 0.00 of 0.17 h (0%)") and "s left" in err[0]
+    assert err[-1].startswith("simulated 0.17 h in") and len(err) > 100
+
+
+def test_simulate_refuses_a_split_over_the_gpu_budget(tiny_config: Path, capsys: pytest.CaptureFixture) -> None:
+    text = tiny_config.read_text().replace("n_target = 4 ", "gpus = 8\nn_target = 4 ")
+    tiny_config.write_text(text)
+    assert main(["simulate", "--config", str(tiny_config), "--n-target", "6"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cluster.gpus = 8" in err and "Traceback" not in err

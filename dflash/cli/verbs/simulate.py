@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,9 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     cfg = apply_calibration(cfg, args.calibration)
     sim_seconds = float(args.sim_seconds) if args.sim_seconds is not None else 3600.0
     sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed)
-    result = simulate(cfg, sampler, sim_seconds=sim_seconds, records_dir=args.records)
+    bar = Progress(sim_seconds)
+    result = simulate(cfg, sampler, sim_seconds=sim_seconds, records_dir=args.records, progress=bar)
+    bar.close()
     m, s = result.metrics, result.summary
     q = cfg.queue
     print(f"simulated {sim_seconds:g} s in {result.wall_s:.2f} s wall "
@@ -34,6 +38,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         print(format_metrics(m))
     print(f"accounting: produced {s['produced']} = trained {s['trained']} + discarded_at_stop "
           f"{s['discarded_at_stop']}; stranded at stop: {s['stranded']}")
+    print(format_memory(cfg, m))
     payload = {"config": cfg.to_dict(), "sim_seconds": sim_seconds, **result.as_json()}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -46,9 +51,46 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
 
         title = (f"min_ready {q.min_ready}, max_depth {q.max_depth}, {q.policy}: "
                  f"mix_efficiency {m.get('mix_efficiency', float('nan')):.3f}")
-        plot_queue(result.take, result.bucket_bounds, args.plot, window=cfg.metrics.window, title=title)
+        plot_queue(result.series, result.bucket_bounds, args.plot, window=cfg.metrics.window, title=title)
         print(f"plot: {args.plot}")
     return 0
+
+
+PROGRESS_AFTER_S = 3.0  # wall seconds before a run starts reporting progress on stderr
+
+
+class Progress:
+    """Simulated time done, wall time and time left, on stderr, once a run has taken a few seconds."""
+
+    def __init__(self, total_s: float, stream: Any = None) -> None:
+        self.total, self.t0, self.last = total_s, time.perf_counter(), -1.0
+        self.stream = stream or sys.stderr
+        self.shown = False
+
+    def __call__(self, sim_t: float) -> None:
+        wall = time.perf_counter() - self.t0
+        if wall < PROGRESS_AFTER_S or wall - self.last < 1.0:
+            return
+        self.last, self.shown = wall, True
+        left = wall * (self.total - sim_t) / max(sim_t, 1e-9)
+        print(f"simulated {sim_t / 3600:,.2f} of {self.total / 3600:,.2f} h ({100 * sim_t / self.total:.0f}%), "
+              f"{wall:.0f} s wall, ~{left:.0f} s left", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.shown:
+            print(f"simulated {self.total / 3600:,.2f} h in {time.perf_counter() - self.t0:.1f} s wall",
+                  file=self.stream, flush=True)
+
+
+def format_memory(cfg: DflashConfig, m: dict[str, Any]) -> str:
+    """The per-device memory model at the peaks this run saw."""
+    from dflash.core.memory_model import device_memory
+
+    devices = device_memory(cfg, producer_bytes=m.get("peak_producer_bytes"),
+                            drafter_bytes=m.get("peak_drafter_bytes"))
+    missing = sorted({x for d in devices for x in d.not_counted})
+    return "memory per device: " + "; ".join(d.describe() for d in devices) + (
+        f"; not counted: {', '.join(missing)}" if missing else "")
 
 
 def format_metrics(m: dict[str, Any]) -> str:
