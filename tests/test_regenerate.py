@@ -377,10 +377,10 @@ class StubServer:
                     body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                     code, obj, delay = stub.answer(self.path, body)
                     time.sleep(delay)
-                    self.send(code, obj)
-                finally:
+                finally:  # before the answer goes out: the client may send its next request right after it
                     with stub.lock:
                         stub.inflight -= 1
+                self.send(code, obj)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
