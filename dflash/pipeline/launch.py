@@ -18,6 +18,7 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 from dflash.core.config import DflashConfig
 from dflash.pipeline.rank import LAUNCHED_BY_DFLASH, RANKS_DIR, RunSpec, rank_main
@@ -75,13 +76,25 @@ def launch(spec: RunSpec, nproc_per_node: int | None = None) -> int:
     try:
         elastic_launch(config, rank_main)(spec)
     except ChildFailedError as exc:
-        line, config_error = first_rank_error(ranks_dir)
-        if line is None:
-            first = min(exc.failures.items())
-            line = f"rank {first[0]} exited with status {first[1].exitcode}"
+        line, config_error = _failure_line(exc, ranks_dir)
         print(f"dflash train: error: {line}", file=sys.stderr)
         return 2 if config_error else 1
     return 0
+
+
+def _failure_line(exc: Any, ranks_dir: Path) -> tuple[str, bool]:
+    """A rank killed by a signal is the cause (its peers then fail on it); else the earliest rank error."""
+    import signal
+
+    for rank, failure in sorted(exc.failures.items()):
+        if failure.exitcode < 0 and not (ranks_dir / f"rank-{rank}.error").exists():
+            name = signal.Signals(-failure.exitcode).name
+            return f"rank {rank} (pid {failure.pid}) was killed by {name}; resume with dflash train --resume", False
+    line, config_error = first_rank_error(ranks_dir)
+    if line is None:
+        rank, failure = min(exc.failures.items())
+        line = f"rank {rank} (pid {failure.pid}) exited with status {failure.exitcode}"
+    return line, config_error
 
 
 def first_rank_error(ranks_dir: Path) -> tuple[str | None, bool]:

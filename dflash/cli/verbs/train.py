@@ -41,8 +41,23 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
     if not under_launcher() or _is_first_rank():
         _prepare(out, cfg, resume=bool(resume))
-    spec = RunSpec(cfg, str(out), resume=bool(resume), wandb=args.wandb)
+    spec = RunSpec(cfg, str(out), resume=bool(resume), wandb=args.wandb, **debug_knobs())
     return launch(spec, args.nproc_per_node)
+
+
+def debug_knobs() -> dict[str, Any]:
+    """Test and debugging knobs from the environment: DFLASH_CHECK_TRANSFERS=1 checks every received item
+    against its id; DFLASH_WAIT_S=S bounds every wait (a take, an admit, a round) and the process-group timeout."""
+    import os
+
+    knobs: dict[str, Any] = {"check_transfers": os.environ.get("DFLASH_CHECK_TRANSFERS") == "1"}
+    wait = os.environ.get("DFLASH_WAIT_S")
+    if wait:
+        try:
+            knobs["wait_s"] = knobs["pg_timeout_s"] = float(wait)
+        except ValueError:
+            raise ConfigError("DFLASH_WAIT_S", "must be a number of seconds", wait) from None
+    return knobs
 
 
 def _is_first_rank() -> bool:
