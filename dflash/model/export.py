@@ -111,12 +111,23 @@ def export_drafter(drafter_dir: str | Path, out: str | Path, fmt: str, *, model:
         report = CheckReport()
         _check_exact(tmp, layout, trained, ref, model, report)
         report.rows.extend(check_export(tmp, independent=independent).rows)
+        _publishable(tmp)
         if final.exists():
             final.rmdir()  # validated empty at the edge
         os.replace(tmp, final)
         return report
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publishable(out: Path) -> None:
+    """The permissions a plain mkdir/open would have given (mkdtemp and safetensors use 0700/0600), so
+    a serving engine under another user can read the export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out, 0o777 & ~umask)
+    for f in out.iterdir():
+        os.chmod(f, 0o666 & ~umask)
 
 
 def _write(out: Path, layout: ExportFormat, spec: DrafterSpec, state: dict[str, torch.Tensor], dtype: torch.dtype,
