@@ -159,3 +159,39 @@ def test_more_cuda_ranks_per_node_than_gpus_is_refused() -> None:
     with pytest.raises(ConfigError, match="at most the 2 GPUs"):
         data_plane(2, 3)
     assert device_for(2, 4) == "cuda:2" and device_for(1, 1) == "cuda:0" and device_for(1, 0) == "cpu"
+
+
+def ddp_cfg(path: Path, inputs: dict[str, Path], n_drafter: int, per_take: int) -> Path:
+    """One bucket and FIFO, so drafter 0 takes the oldest item and drafter 1 the next: one process taking two
+    items per take trains exactly their union in each step."""
+    text = write_cfg(path, inputs, max_steps=3, checkpoint_every=1).read_text()
+    text = text.replace("max_len = 128", "max_len = 384").replace("bucket_bounds = [32, 64, 128]",
+                                                                   "bucket_bounds = [384]")
+    text = text.replace("[queue]\nmin_ready = 3\n", f"[queue]\nmin_ready = 2\npolicy = \"fifo\"\n"
+                                                     f"items_per_take = {per_take}\n")
+    text = text.replace("n_drafter = 1", f"n_drafter = {n_drafter}")
+    path.write_text(text)
+    return path
+
+
+def test_two_ddp_drafter_ranks_equal_one_process_on_the_union(tmp_path: Path, run_inputs) -> None:  # noqa: F811
+    import torch
+
+    states, steps = {}, {}
+    for name, n_drafter, per_take in (("ddp", 2, 1), ("one", 1, 2)):
+        run = tmp_path / name
+        res = dflash("train", "--config", str(ddp_cfg(tmp_path / f"{name}.toml", run_inputs, n_drafter, per_take)),
+                     "--out", str(run), "--wandb", "disabled", run=run)
+        assert res.returncode == 0, res.stderr
+        steps[name] = [sorted(i for r in read_records(run, "take") if r["step"] == s for i in r["item_ids"])
+                       for s in range(3)]
+        states[name] = torch.load(run / "checkpoint" / "step-00000002" / "state.pt", weights_only=False)
+    assert steps["ddp"] == steps["one"] and all(len(s) == 2 for s in steps["ddp"])  # the same union each step
+    counted = [r["counted_tokens"] for r in read_records(tmp_path / "ddp", "step")]
+    assert sum(counted) > 0, "no anchors in any step: the comparison would be vacuous"
+    a, b = states["ddp"]["drafter"], states["one"]["drafter"]
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    moved = states["ddp"]["optimizer"]["state"]
+    assert moved and all(int(s["step"]) == sum(1 for c in counted if c > 0) for s in moved.values())
