@@ -241,3 +241,37 @@ def loss_curves(curves: Sequence[tuple[str, RunData]]) -> bytes:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _png(fig)
+
+
+def split(trials: pd.DataFrame, table: dict[str, Any]) -> bytes:
+    """Throughput and mix_efficiency against the GPU split: every feasible trial faint, each split's
+    choice (its queue knobs re-optimised) joined by a line; the best and the even split marked."""
+    plt = _plt()
+    splits = [s for s in table["splits"]]
+    labels = [f"{s['n_target']}/{s['n_drafter']}" for s in splits]
+    pos = {s["n_target"]: i for i, s in enumerate(splits)}
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6.4), sharex=True, constrained_layout=True)
+    best, even = table.get("best"), table.get("even")
+    for ax, col, name in ((axes[0], "user_attrs_throughput_tokens_per_s", "throughput (tokens/s)"),
+                          (axes[1], "user_attrs_mix_efficiency", "mix_efficiency")):
+        key = col.removeprefix("user_attrs_")
+        ok = trials[trials["split_feasible"]]
+        ax.scatter(ok["split_targets"].map(pos), ok[col].map(_finite), s=12, color="0.6", alpha=0.6,
+                   label="feasible trial")
+        xs = [pos[s["n_target"]] for s in splits if s[key] is not None]
+        ys = [s[key] for s in splits if s[key] is not None]
+        ax.plot(xs, ys, "o-", color="tab:blue", label="each split's choice (knobs re-optimised)")
+        for s, marker, colour, label in ((even, "D", "tab:orange", "even split"), (best, "*", "magenta", "best split")):
+            if s is not None and s[key] is not None:
+                ax.plot([pos[s["n_target"]]], [s[key]], marker, color=colour, ms=14 if marker == "*" else 9,
+                        mec="black", label=label, zorder=5)
+        for s in splits:
+            if s["trial"] is None:
+                ax.axvspan(pos[s["n_target"]] - 0.4, pos[s["n_target"]] + 0.4, color="0.9", zorder=0)
+        ax.set_ylabel(f"{name}, simulated")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="best")
+    axes[1].set_xticks(range(len(labels)), labels)
+    axes[1].set_xlabel("split: target workers / drafter workers (grey: no feasible trial)")
+    axes[0].set_title("Throughput and mix against the GPU split")
+    return _png(fig)

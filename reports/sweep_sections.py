@@ -17,6 +17,7 @@ from reports.document import Figure, Missing, Section, Table
 from reports.fmt import NA, fmt_metric, fmt_pm, num
 from reports.inputs import Inputs, SweepInput
 from reports.recommend import REFERENCES, chosen_name, predicted_view
+from tuning.select import split_table
 
 TPUT, MIX = "throughput_tokens_per_s", "mix_efficiency"
 OBJECTIVE_COLUMNS = ((f"user_attrs_{TPUT}", "throughput (tokens/s)"), (f"user_attrs_{MIX}", "mix_efficiency"))
@@ -200,3 +201,69 @@ def importance_section(inputs: Inputs) -> Section:
                             "column sums to about 1)."))
     return sec
 
+
+
+def split_rows(sweep: SweepInput, df: pd.DataFrame) -> pd.DataFrame | None:
+    """Complete trials with their split (``split_targets``, ``split_drafters``) and feasibility, or None when
+    the trials carry no split."""
+    cols = [c for c in ("n_target", "user_attrssplit_targets") if c in df.columns]
+    dcols = [c for c in ("n_drafter", "user_attrssplit_drafters") if c in df.columns]
+    if not cols or not dcols:
+        return None
+    out = df[df[cols[0]].notna() & df[dcols[0]].notna()].copy()
+    out["split_targets"] = out[cols[0]].astype(int)
+    out["split_drafters"] = out[dcols[0]].astype(int)
+    feas = sweep.feasible
+    out["split_feasible"] = out["number"].map(lambda n: True if feas is None else bool(feas.get(int(n), False)))
+    return out
+
+
+def _gpus(rows: pd.DataFrame) -> tuple[int | None, int]:
+    """(GPU budget, GPUs per target) from the splits themselves: n_target x g + n_drafter is the same
+    for every split of one budget."""
+    pairs = sorted(set(zip(rows["split_targets"], rows["split_drafters"])))
+    if len(pairs) < 2:
+        return None, 1
+    (t0, d0), (t1, d1) = pairs[0], pairs[-1]
+    per = max(1, round((d0 - d1) / (t1 - t0)))
+    return int(t0 * per + d0), per
+
+
+def split_section(inputs: Inputs) -> Section:
+    """Predicted throughput and mix against the GPU split, knobs re-optimised per split; best vs even."""
+    sec = Section("GPU split: target vs drafter workers", "split")
+    sweep, df = inputs.sweep, complete(inputs.sweep)
+    rows = split_rows(sweep, df) if sweep is not None and df is not None else None
+    if rows is None or rows["split_targets"].nunique() < 2:
+        sec.blocks.append(Missing(NO_SWEEP if sweep is None else "the sweep did not vary the split (declare "
+                                  "n_target = { low, high } in [sweep.space] with [cluster] gpus = G)"))
+        return sec
+    gpus, per = _gpus(rows)
+    records = [{"number": int(r.number), "n_target": int(r.split_targets), "n_drafter": int(r.split_drafters),
+                TPUT: num(getattr(r, f"user_attrs_{TPUT}")), MIX: num(getattr(r, f"user_attrs_{MIX}")),
+                "feasible": bool(r.split_feasible)} for r in rows.itertuples(index=False)]
+    table = split_table(records, gpus, per)
+    sec.blocks.append(Figure("split", figures.split(rows, table), _split_caption(table)))
+    sec.blocks.append(Table(pd.DataFrame([{
+        "split (targets/drafters)": f"{s['n_target']}/{s['n_drafter']}", "feasible trials": str(s["feasible_trials"]),
+        "chosen trial": NA if s["trial"] is None else str(s["trial"]),
+        "tokens/s": fmt_metric(TPUT, s[TPUT]), "mix_efficiency": fmt_metric(MIX, s[MIX]),
+        "": ("best" if table["best"] is s else "") + (" even" if table["even"] is s else "")}
+        for s in table["splits"]]), "Each split's choice: the knee of that split's own feasible front "
+        "(the selection rule, within the split; simulated, mean over seeds)."))
+    return sec
+
+
+def _split_caption(table: dict) -> str:
+    best, even, gain = table["best"], table["even"], table["gain_over_even"]
+    budget = f"{table['gpus']} GPUs" if table["gpus"] else "the GPU budget"
+    if best is None:
+        return f"No split of {budget} has a feasible trial."
+    text = (f"Best split of {budget}: {best['n_target']} target worker(s) x {table['gpus_per_target']} GPU(s) and "
+            f"{best['n_drafter']} drafters, {fmt_metric(TPUT, best[TPUT])} tokens/s at mix_efficiency "
+            f"{fmt_metric(MIX, best[MIX])}")
+    if even is None:
+        return text + "; the even split was not tried."
+    if gain is None:
+        return text + f"; the even split ({even['n_target']}/{even['n_drafter']}) has no feasible trial."
+    return text + f", {100 * gain:+.1f}% throughput over the even split ({even['n_target']}/{even['n_drafter']})."
