@@ -361,3 +361,17 @@ def test_report_launch_section_serves_the_export_next_to_its_target(tmp_path):
     assert f"vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config '{spec}'" in code
     none = next(b for b in serving_blocks(Inputs(), "x") if isinstance(b, Code)).text  # no run: the defaults
     assert "--drafter RUN_DIR" in none and "--speculative-num-draft-tokens 16" in none
+
+
+def test_cli_refuses_a_drafter_saved_with_family_layers(cli_run, tmp_path, capsys):
+    import shutil
+
+    old = tmp_path / "old-run"
+    shutil.copytree(cli_run / "run", old)
+    meta = json.loads((old / "drafter" / "drafter_config.json").read_text())
+    meta["spec"].update(format=1, qk_norm=False, attention_bias=False)  # a Llama-style drafter of format 1
+    (old / "drafter" / "drafter_config.json").write_text(json.dumps(meta))
+    assert main(["export", "--drafter", str(old), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "retrain it with dflash train" in err, err
+    assert not (tmp_path / "out").exists()
