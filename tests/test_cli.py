@@ -31,6 +31,7 @@ BASE = {
     "regenerate": ["--out", "data.jsonl"],
     "lengths": [],
     "demo": [],
+    "export": ["--drafter", "exrun", "--out", "exported"],
 }
 
 CONFIGS = {
@@ -83,6 +84,10 @@ VERB_CASES = {
         (["--json", "run"], ["--json"]),
     ],
     "sweep": [
+        (["--out", "sel.json/o"], ["--out", "sel.json"]),
+        (["--storage", "sel.json/s.journal"], ["--storage"]),
+        (["--storage", "sqlite:///sel.json"], ["--storage", "SQLite"]),
+        (["--storage", "run"], ["--storage"]),
         (["--trials", "0"], ["--trials"]),
         (["--trials", "abc"], ["--trials"]),
         (["--workers", "0"], ["--workers"]),
@@ -95,8 +100,8 @@ VERB_CASES = {
         (["--max-steps", "0"], ["train.max_steps", "--max-steps"]),
         (["--max-minutes", "0"], ["train.max_minutes", "--max-minutes"]),
         (["--max-minutes", "soon"], ["train.max_minutes", "--max-minutes"]),
-        (["--target-devices", "gpu0"], ["target.devices", "--target-devices"]),
-        (["--drafter-devices", "cuda:0,"], ["drafter.devices", "--drafter-devices"]),
+        (["--target-devices", "gpu0"], ["--target-devices", "retired"]),
+        (["--drafter-devices", "cuda:0,"], ["--drafter-devices", "retired"]),
         (["--target", ""], ["target.model", "--target"]),
         (["--resume", "missing_dir"], ["--resume"]),
     ],
@@ -117,6 +122,11 @@ VERB_CASES = {
     "report": [
         (["missing_dir"], ["INPUT"]),
         (["--out", "sel.json"], ["--out"]),
+    ],
+    "export": [
+        (["--out", "sel.json"], ["--out"]),
+        (["--out", "sel.json/x"], ["--out", "not a directory"]),
+        (["--format", "onnx"], ["--format"]),
     ],
 }
 # Invocations that replace the base: a missing required input.
@@ -149,6 +159,9 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run").mkdir()
     (tmp_path / "drafter").mkdir()
+    (tmp_path / "exrun" / "drafter").mkdir(parents=True)
+    (tmp_path / "exrun" / "drafter" / "drafter_config.json").write_text("{}")
+    (tmp_path / "exrun" / "config.json").write_text("{}")
     (tmp_path / "sel.json").write_text("{}")
     for name, text in CONFIGS.items():
         (tmp_path / name).write_text(text)
@@ -207,13 +220,11 @@ def test_handler_receives_the_validated_config(workdir, monkeypatch, capsys):
         return 0
 
     monkeypatch.setitem(cli.HANDLERS, "train", fake)
-    assert main(["train", "--config", "c.toml", "--hs-max-depth", "40", "--policy", "fifo",
-                 "--target-devices", "cuda:0,cuda:1", "--drafter-devices", "cuda:2", "--max-minutes", "1.5",
+    assert main(["train", "--config", "c.toml", "--hs-max-depth", "40", "--policy", "fifo", "--max-minutes", "1.5",
                  "--target", "some/dir"]) == 0
     cfg = seen["cfg"]
     assert (cfg.seed, cfg.queue.min_ready, cfg.queue.max_depth, cfg.queue.policy) == (4, 5, 40, "fifo")
     assert cfg.cluster.n_target == 3
-    assert cfg.target.devices == ("cuda:0", "cuda:1") and cfg.drafter.devices == ("cuda:2",)
     assert cfg.train.max_minutes == 1.5 and cfg.target.model == "some/dir"
 
     monkeypatch.setitem(cli.HANDLERS, "sweep", fake)
