@@ -171,17 +171,19 @@ def test_an_unwritable_parent_is_refused_before_any_work(tmp_path: Path, monkeyp
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("storage", ["s.journal", "sqlite:///s.db"])
 def test_a_study_with_other_settings_leaves_no_new_output_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   capsys: pytest.CaptureFixture) -> None:
-    """The refusal comes after the storage is opened: the output directory this start made goes again."""
+                                                                   capsys: pytest.CaptureFixture, storage: str) -> None:
+    """The refusal comes after the storage is opened: the output directory this start made goes again,
+    and the storage is left as it was (no failed create appended to a journal)."""
     sweep_cfg(tmp_path, "space = { min_ready = { low = 1, high = 20 } }")
     monkeypatch.chdir(tmp_path)
-    assert main(["sweep", "--config", "sweep.toml", "--trials", "1", "--storage", "s.journal", "--out", "a"]) == 0
+    assert main(["sweep", "--config", "sweep.toml", "--trials", "1", "--storage", storage, "--out", "a"]) == 0
     (tmp_path / "sweep.toml").write_text(SWEEP_TOML.format(extra="seeds_per_trial = 2").replace(
         "seeds_per_trial = 1\n", ""))
     capsys.readouterr()
     before = tree(tmp_path)
-    assert main(["sweep", "--config", "sweep.toml", "--trials", "2", "--storage", "s.journal", "--out", "b"]) == 2
+    assert main(["sweep", "--config", "sweep.toml", "--trials", "2", "--storage", storage, "--out", "b"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--study" in err and "seeds_per_trial" in err
     assert tree(tmp_path) == before
