@@ -173,14 +173,8 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_killing_the_parent_kills_its_workers_and_a_restart_finishes_distinct(tmp_path: Path) -> None:
-    cfg = write_cfg(tmp_path, sim_seconds=3600)
-    out = tmp_path / "out"
-    storage = str(out / "study.journal")
-    cmd = [sys.executable, "-m", "dflash", "sweep", "--config", str(cfg), "--trials", "6", "--study", "s",
-           "--workers", "2", "--out", str(out)]
-    parent = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _start_and_wait_for_two_workers(cmd: list[str], storage: str, **popen: object) -> tuple[subprocess.Popen, set[int]]:
+    parent = subprocess.Popen(cmd, cwd=ROOT, **popen)  # type: ignore[call-overload]
     workers: set[int] = set()
     deadline = time.time() + 120
     while time.time() < deadline and len(workers) < 2:
@@ -191,12 +185,28 @@ def test_killing_the_parent_kills_its_workers_and_a_restart_finishes_distinct(tm
         except (KeyError, ValueError):  # the study is not in the journal yet
             continue
     assert len(workers) == 2, "never saw both workers running a trial"
+    return parent, workers
+
+
+def _gone(pids: set[int], within_s: float) -> bool:
+    deadline = time.time() + within_s
+    while time.time() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    return not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killing_the_parent_kills_its_workers_and_a_restart_finishes_distinct(tmp_path: Path) -> None:
+    cfg = write_cfg(tmp_path, sim_seconds=3600)
+    out = tmp_path / "out"
+    storage = str(out / "study.journal")
+    cmd = [sys.executable, "-m", "dflash", "sweep", "--config", str(cfg), "--trials", "6", "--study", "s",
+           "--workers", "2", "--out", str(out)]
+    parent, workers = _start_and_wait_for_two_workers(cmd, storage, stdout=subprocess.DEVNULL,
+                                                      stderr=subprocess.DEVNULL)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline and any(_alive(pid) for pid in workers):
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in workers), "workers outlived their parent"
+    assert _gone(workers, 10), "workers outlived their parent"
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     trials = assert_distinct(storage, 6)
@@ -204,6 +214,22 @@ def test_killing_the_parent_kills_its_workers_and_a_restart_finishes_distinct(tm
     assert len(failed) >= 2 and all(t.user_attrs["worker_pid"] in workers for t in failed)
     requeued = {t.user_attrs["requeued_from"] for t in trials if "requeued_from" in t.user_attrs}
     assert {t.number for t in failed} <= requeued
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_stops_parent_and_workers_in_one_line(tmp_path: Path) -> None:
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does): exit 130, one line, no
+    traceback from the parent or either worker, and no worker left running."""
+    cfg = write_cfg(tmp_path, sim_seconds=3600)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "dflash", "sweep", "--config", str(cfg), "--trials", "6", "--study", "s",
+           "--workers", "2", "--out", str(out)]
+    parent, workers = _start_and_wait_for_two_workers(cmd, str(out / "study.journal"), stdout=subprocess.DEVNULL,
+                                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
+    os.killpg(parent.pid, signal.SIGINT)
+    _, err = parent.communicate(timeout=30)
+    assert parent.returncode == 130 and err == "dflash sweep: interrupted\n", err
+    assert _gone(workers, 10), "workers outlived an interrupted parent"
 
 
 def test_no_feasible_configuration_is_exit_2_without_a_selection(tmp_path: Path, capsys: pytest.CaptureFixture

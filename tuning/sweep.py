@@ -19,6 +19,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -262,6 +263,7 @@ def _worker_main(cfg: DflashConfig, args: SweepArgs, target: int, parent_pid: in
     """One worker process: it ends with its parent, opens its own storage connection, and uses the
     evaluator it inherited when forked (or builds one when spawned)."""
     die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     study = open_study(cfg, args)
     _work(cfg, args, study, evaluator or Evaluator(cfg), target)
 
@@ -304,12 +306,18 @@ def _run_processes(cfg: DflashConfig, args: SweepArgs, target: int, evaluator: E
     inherit = evaluator if method == "fork" else None
     procs = [ctx.Process(target=_worker_main, args=(cfg, args, target, os.getpid(), inherit), daemon=False)
              for _ in range(args.workers)]
-    for p in procs:
-        p.start()
-    bar.start()
-    while alive := [p.sentinel for p in procs if p.is_alive()]:
-        mp_connection.wait(alive, timeout=0.5)
-        bar.update()
+    try:
+        for p in procs:
+            p.start()
+        bar.start()
+        while alive := [p.sentinel for p in procs if p.is_alive()]:
+            mp_connection.wait(alive, timeout=0.5)
+            bar.update()
+    finally:  # interrupted (Ctrl-C) or failed: the workers go too; their trials are re-run on the next start
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     failed = [p.exitcode for p in procs if p.exitcode != 0]
     if failed:
         raise RuntimeError(f"{len(failed)} sweep worker(s) failed (exit codes {failed})")

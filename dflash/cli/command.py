@@ -194,4 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         keys = VERBS[verb_name].flag_for_key() if verb_name else {}
         print(error_line(prog, exc, keys), file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
     return 2
