@@ -15,6 +15,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     """Acceptance length tau of a drafter: real speculative decoding, verified greedily by the target."""
     import json
 
+    from dflash.core.atomic import atomic_write_text
     from dflash.core.records import clean_json
     from dflash.model.acceptance import evaluate_acceptance, heldout_prompts
     from dflash.model.drafter import CONFIG_FILE, DFlashDrafter
@@ -38,8 +39,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     print(f"tau {res['tau']:.3f} over {res['steps']} verification steps, {res['num_prompts']} held-out prompts "
           f"({len(used)} training conversations excluded); {res['tokens_per_s']:.1f} tokens/s")
     print(f"acceptance rate per block position 1..{res['block_size'] - 1}: {rates}")
-    out = run_dir / "eval.json"
-    out.write_text(json.dumps(clean_json(res), indent=1))
+    out = atomic_write_text(run_dir / "eval.json", json.dumps(clean_json(res), indent=1))
     print(f"eval: {out}")
     return 0
 
