@@ -419,7 +419,9 @@ def _write_trials_table(study: optuna.Study, args: SweepArgs, objective_names: l
     df["feasible"] = [by_number[n].state == TrialState.COMPLETE and feasible(by_number[n]) for n in df["number"]]
     args.out.mkdir(parents=True, exist_ok=True)
     parquet = args.out / "trials.parquet"
-    df.to_parquet(parquet, index=False)
+    tmp = parquet.with_name(f".{parquet.name}.{os.getpid()}.tmp")  # whole or not at all, as atomic_write_text
+    df.to_parquet(tmp, index=False)
+    os.replace(tmp, parquet)
     return parquet
 
 
