@@ -500,6 +500,17 @@ def test_server_sends_the_key_and_keeps_concurrency_records_in_flight(stub, tmp_
     assert stub.auth == ["Bearer sk-local-test"] * 8
 
 
+def test_server_model_must_be_one_the_server_serves(stub, tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.toml", chat_data(tmp_path / "d.jsonl", {"a": "hello"}))
+    out = tmp_path / "o.jsonl"
+    before = tree(tmp_path)
+    assert main(["regenerate", "--config", str(cfg), "--out", str(out),
+                 "--backend", "server", "--url", stub.url + "/v1/chat/completions", "--server-model", "other"]) == 2
+    err = capsys.readouterr().err
+    assert err == "dflash regenerate: error: --server-model: the server serves tiny-stub (got 'other')\n"
+    assert tree(tmp_path) == before and stub.auth == []
+
+
 def test_ctrl_c_on_the_server_backend_keeps_whole_records(stub, tmp_path):
     """SIGINT while requests hang: the async requests are cancelled, exit 130, the finished records
     whole and the run marked interrupted in the sidecar."""

@@ -18,6 +18,11 @@ The parts, one job each:
 - :mod:`~dflash.regenerate.progress`: counts and the throttled progress line.
 - :mod:`~dflash.regenerate.run`: :func:`handle`, the verb as a sequence of those steps.
 
+Decoding: greedy by default (``--temperature 0``); ``--temperature T > 0`` samples, with ``--top-p P``
+as nucleus mass (no top-k, no repetition penalty, whatever the model's own generation config says:
+the data should be the target's distribution at those settings). ``--max-new-tokens`` bounds each
+reply (default ``workload.max_len``: nothing longer can be trained on).
+
 Output: one JSON object per line, ``{"id", "conversations": [{"from": "system"|"human"|"gpt",
 "value"}], "dflash": {"finish": [...], "new_tokens": [...]}}`` (``finish`` per reply: ``stop`` or
 ``length``; ``new_tokens`` may hold ``null`` when a server does not report usage; ``stopped:
