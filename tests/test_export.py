@@ -375,3 +375,19 @@ def test_cli_refuses_a_drafter_saved_with_family_layers(cli_run, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "retrain it with dflash train" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bfloat16_drafter_exports_in_bfloat16_and_checks_in_float32(tmp_path):
+    """GPU runs train in bfloat16: the export keeps the saved tensors bit for bit and says so in its
+    config; the checks run in float32, where bfloat16 weights are exact."""
+    target = tiny_llama(seed=3, init_std=0.2)
+    drafter = trained_drafter(target).to(torch.bfloat16)
+    drafter.save(tmp_path / "drafter")
+    report = export_drafter(tmp_path / "drafter", tmp_path / "out", "zlab", model=target, tokenizer=None,
+                            target_model="t", target_source="t", independent=False)
+    assert [s for _, s, _ in report.rows] == ["ok"] * 5
+    assert json.loads((tmp_path / "out" / CONFIG_JSON).read_text())["torch_dtype"] == "bfloat16"
+    saved = load_file(str(tmp_path / "drafter" / "drafter.safetensors"))
+    exported = load_file(str(tmp_path / "out" / WEIGHTS))
+    assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
+    assert all(v.dtype == torch.bfloat16 for v in exported.values())
