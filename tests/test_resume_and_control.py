@@ -79,41 +79,68 @@ def taken_ids(run: Path) -> list[str]:
     return [i for r in read_records(run, "take") for i in r["item_ids"]]
 
 
-def test_a_killed_run_resumes_and_trains_exactly_the_same_items(tmp_path: Path, run_inputs) -> None:
-    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, epochs=1, checkpoint_every=4)
-    full = tmp_path / "full"
-    ok = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--out", str(full),
-                         "--wandb", "disabled"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stderr
+def newest_meta(run: Path) -> dict | None:
+    metas = sorted((run / "checkpoint").glob("step-*/manifest.json"))
+    return json.loads((metas[-1].parent / "meta.json").read_text()) if metas else None
 
+
+def test_a_killed_run_resumes_and_trains_exactly_the_same_items(tmp_path: Path, run_inputs) -> None:
+    """Plain `dflash train` (1 + 1 ranks) killed with SIGKILL: its ranks die with it, resume trains the epoch once.
+
+    A queue change written by tune-live while the trainer is down is applied at resume and recorded.
+    """
+    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, epochs=1, checkpoint_every=4)
     run = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--out", str(run),
                              "--wandb", "disabled"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline:
         steps = (run / "step.jsonl").read_text().count("\n") if (run / "step.jsonl").exists() else 0
-        if steps >= 10 and (run / "checkpoint" / "meta.json").exists():
+        if steps >= 10 and newest_meta(run) is not None:
             break
         time.sleep(0.01)
+    pids = [int(p.read_text().split("pid ")[1].split(")")[0]) for p in (run / ".ranks").glob("rank-*.status")]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    meta = json.loads((run / "checkpoint" / "meta.json").read_text())
+    time.sleep(1.0)
+    assert len(pids) == 2 and not any(Path(f"/proc/{p}").exists() and "zombie" not in _state(p) for p in pids), \
+        "the ranks outlived their launcher"
+    meta = newest_meta(run)
     assert 0 < meta["step"] < 29, "the kill must land mid-run"
+    assert main(["tune-live", str(run), "--hs-min-ready", "2"]) == 0  # while the trainer is down
     resumed = subprocess.run([sys.executable, "-m", "dflash", "train", "--resume", str(run), "--wandb", "disabled"],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "replayed" in resumed.stdout or meta["feed"]["pending"] == []
+    assert "applied at resume" in resumed.stdout
 
-    ids_full, ids_run = taken_ids(full), taken_ids(run)
-    assert Counter(ids_run) == Counter(ids_full)  # the same items, each exactly once
-    assert max(Counter(ids_run).values()) == 1
+    ids_run = taken_ids(run)
+    assert max(Counter(ids_run).values()) == 1  # each exactly once
+    assert Counter(ids_run) == Counter(_epoch_items(cfg))  # the same items as a whole epoch
     steps = [r["step"] for r in read_records(run, "step")]
     assert steps == list(range(len(steps)))  # the loss curve continues, no step twice
     summary = next(read_records(run, "summary"))
     assert summary["produced"] == summary["trained"] + summary["discarded_at_stop"]
     assert summary["replayed"] == len(meta["feed"]["pending"])
+    assert len(summary["discarded_ids"]) == summary["discarded_at_stop"]
     lrs = [r["lr"] for r in read_records(run, "step")]
     assert lrs == sorted(lrs, reverse=True) or lrs[0] < lrs[-1]  # warm-up/cosine continues, no restart
+    applied = [c for c in read_records(run, "control") if c.get("serial") == 1]
+    assert applied and applied[0]["accepted"] and applied[0]["applied"] == "at resume"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "zombie"
+
+
+def _epoch_items(cfg_path: Path) -> list[str]:
+    from dflash.pipeline.trainer import TrainingData
+
+    cfg = load_config(cfg_path)
+    return [s.item_id for s in TrainingData(cfg, load_tokenizer(str(cfg.target.model))).sampler.epoch(0)]
 
 
 def test_a_live_change_is_applied_between_takes_and_a_bad_one_is_rejected(tmp_path: Path, run_inputs) -> None:
@@ -141,6 +168,34 @@ def test_a_live_change_is_applied_between_takes_and_a_bad_one_is_rejected(tmp_pa
         if take["step"] < t_apply and take["gate"] == "ready":
             assert take["depth_before"] >= 3
     assert any(t["step"] >= t_apply for t in read_records(out, "take"))
+
+
+def test_tune_live_judges_flags_against_the_runs_own_config_and_survives_any_control_file(
+        tmp_path: Path, run_inputs, capsys: pytest.CaptureFixture) -> None:
+    cfg = load_config(write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=16))
+    out = tmp_path / "run"
+    hostile = ['{"serial": 1, "queue": "garbage"}', '[1, 2, 3]', '{"serial": 2, "queue": {"min_ready": [1]}}',
+               '{"serial": 3, "queue": {"no_such_knob": 1}}', "\x00\xff not json", '{"serial": 4, "queue": {}}']
+
+    def progress(msg: str) -> None:
+        for k in range(len(hostile)):
+            if msg.startswith(f"step {k + 2:>5} "):
+                (out / "control.json").write_text(hostile[k])
+
+    res = Trainer(cfg, out, progress=progress).run()
+    assert res.summary["steps"] == 16  # the run went on
+    rejected = [c for c in read_records(out, "control") if c.get("serial") and not c["accepted"]]
+    assert sorted(c["serial"] for c in rejected) == [1, 2, 3, 4]
+    malformed = [c for c in read_records(out, "control") if c.get("serial") is None and not c["accepted"]]
+    assert len(malformed) == 2 and all("not a JSON object" in c["reason"] for c in malformed)
+    assert next(read_records(out, "summary"))["steps"] == 16
+    # run config: min_ready 3, max_depth 6; the built-in defaults (min_ready 30) would refuse max depth 5
+    (out / "control.json").unlink()
+    capsys.readouterr()
+    assert main(["tune-live", str(out), "--hs-max-depth", "5"]) == 0
+    assert main(["tune-live", str(out), "--hs-min-ready", "5"]) == 0  # judged with the earlier change (5)
+    assert main(["tune-live", str(out), "--hs-min-ready", "6"]) == 2  # above the live max depth 5
+    assert "queue.min_ready (--hs-min-ready)" in capsys.readouterr().err
 
 
 def test_tune_live_validates_like_any_config(tmp_path: Path, run_inputs, capsys: pytest.CaptureFixture) -> None:

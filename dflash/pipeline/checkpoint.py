@@ -198,6 +198,36 @@ def write_control(run_dir: Path, change: dict[str, Any], serial: int) -> Path:
     return path
 
 
+class ControlWatch:
+    """Sees each new version of the control file once: a change with a new serial, or what is wrong with it.
+
+    The trainer polls it between takes; whatever a person writes there, ``poll`` returns (change, None),
+    (None, problem) or (None, None) and never raises, so a hostile file is recorded and the run goes on.
+    """
+
+    def __init__(self, run_dir: Path, serial: int = 0) -> None:
+        self.path = Path(run_dir) / CONTROL_FILE
+        self.serial = serial
+        self._seen: tuple[int, int] | None = None
+
+    def poll(self) -> tuple[dict[str, Any] | None, str | None]:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None, None
+        key = (st.st_mtime_ns, st.st_size)
+        if key == self._seen:
+            return None, None
+        self._seen = key
+        ctl = read_control(self.path.parent)
+        if ctl is None:
+            return None, f"{CONTROL_FILE} is not a JSON object with an integer 'serial' (use dflash tune-live)"
+        if ctl["serial"] <= self.serial:
+            return None, None
+        self.serial = ctl["serial"]
+        return ctl, None
+
+
 def read_control(run_dir: Path) -> dict[str, Any] | None:
     """The control file as written by ``write_control``; None when absent or not of that shape.
 
@@ -211,3 +241,17 @@ def read_control(run_dir: Path) -> dict[str, Any] | None:
     if not isinstance(ctl, dict) or type(ctl.get("serial")) is not int:
         return None
     return {"serial": ctl["serial"], "queue": ctl.get("queue")}
+
+
+def rejected_change(value: Any) -> dict[str, str]:
+    """A rejected control value as a record field: whatever it was, as JSON text under one key.
+
+    (One shape for every rejected value, so the records' Parquet export can type the column.)
+    """
+    import json
+
+    try:
+        text = json.dumps(value, allow_nan=False, default=repr)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return {"rejected": text[:500]}

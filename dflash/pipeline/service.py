@@ -25,7 +25,7 @@ from dflash.core.queue_core import QueueItem
 from dflash.core.records import RecordWriter
 from dflash.core.sampler import Sampler
 from dflash.pipeline.channel import Hub
-from dflash.pipeline.checkpoint import ItemFeed, read_control
+from dflash.pipeline.checkpoint import ControlWatch, ItemFeed, rejected_change
 from dflash.pipeline.coordinator import Admit, Assignment, Coordinator, NoWork
 from dflash.pipeline.ledger import Ledger
 from dflash.pipeline.roles import Roles
@@ -63,7 +63,7 @@ class CoordinatorService:
         self.feed = ItemFeed(sampler, cfg.train.epochs, resume.feed["epoch"], resume.feed["index"],
                              replay=resume.feed["pending"])
         self.before = dict(resume.counts)
-        self.control_serial = resume.control_serial
+        self.control = ControlWatch(out, resume.control_serial)
         self.hub = Hub()
         self.records = RecordWriter(out, run_id, "real")
         self.ledger = Ledger(out)
@@ -261,7 +261,7 @@ class CoordinatorService:
                     raise TimeoutError(f"ledger step {step} not committed within {timeout} s (a drafter rank hangs)")
                 self._lock.wait(0.5)
             return {"t": self.now(), "feed": self.feed.state(), "queue_core": self.coord.core.state_dict(),
-                    "queue_config": dict(self.cfg.queue.__dict__), "control_serial": self.control_serial,
+                    "queue_config": dict(self.cfg.queue.__dict__), "control_serial": self.control.serial,
                     "ledger_step": step,
                     "trained": self.before["trained"] + self.trained,
                     "replayed": self.before.get("replayed", 0) + self.feed.replayed}
@@ -274,10 +274,13 @@ class CoordinatorService:
 
     def _apply_control(self, step: int | None, at_start: bool = False) -> None:
         """A new control file: validated against the run's own config, recorded either way; never fatal."""
-        ctl = read_control(self.out)
-        if ctl is None or ctl["serial"] <= self.control_serial:
+        ctl, problem = self.control.poll()
+        if problem is not None:
+            self.records.write("control", t=self.now(), accepted=False, change=rejected_change(None), step=step,
+                               serial=None, reason=problem)
+            self.progress(f"live change rejected: {problem}")
+        if ctl is None:
             return
-        self.control_serial = ctl["serial"]
         change = ctl["queue"]
         when = "at resume" if at_start else "between takes"
         try:
@@ -286,7 +289,7 @@ class CoordinatorService:
             cfg = with_overrides(self.cfg, {f"queue.{k}": v for k, v in change.items()})
         except (ConfigError, TypeError, ValueError) as exc:
             reason = exc.line() if isinstance(exc, ConfigError) else f"control: {exc}"
-            self.records.write("control", t=self.now(), accepted=False, change=_plain(change), step=step,
+            self.records.write("control", t=self.now(), accepted=False, change=rejected_change(change), step=step,
                                serial=ctl["serial"], reason=reason)
             self.progress(f"live change #{ctl['serial']} rejected: {reason}")
             return
@@ -295,14 +298,3 @@ class CoordinatorService:
         self.records.write("control", t=self.now(), accepted=True, change=change, step=step, serial=ctl["serial"],
                            queue=dict(cfg.queue.__dict__), applied=when)
         self.progress(f"live change #{ctl['serial']} applied {when}: {change}")
-
-
-def _plain(value: Any) -> Any:
-    """A rejected control value, kept recordable whatever it is."""
-    import json
-
-    try:
-        json.dumps(value, allow_nan=False)
-        return value
-    except (TypeError, ValueError, RecursionError):
-        return repr(value)[:500]

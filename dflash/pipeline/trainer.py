@@ -34,7 +34,14 @@ from dflash.core.queue_core import QueueItem
 from dflash.core.records import RecordWriter, clean_json, export_parquet, read_records
 from dflash.core.runmetrics import RunTrace, loss_roughness, run_metrics
 from dflash.core.sampler import ItemSpec, Sampler
-from dflash.pipeline.checkpoint import ItemFeed, latest_verified, load_state, read_control, write_checkpoint
+from dflash.pipeline.checkpoint import (
+    ControlWatch,
+    ItemFeed,
+    latest_verified,
+    load_state,
+    rejected_change,
+    write_checkpoint,
+)
 from dflash.pipeline.hsqueue import HSQueue
 from dflash.pipeline.telemetry import NvmlSampler, RollingMix, StageTimer, WandbLogger, gpu_metrics, queue_health
 
@@ -154,6 +161,7 @@ class Trainer:
         self.feed = ItemFeed(self.sampler, cfg.train.epochs, feed_state["epoch"], feed_state["index"],
                              replay=feed_state["pending"])
         self.records = RecordWriter(self.out, self.run_id, "real")
+        self._control = ControlWatch(self.out, self._control_serial)
         self._records_lock = threading.Lock()
         self._items_lock = threading.Lock()
         self._producers_left = len(tdev)
@@ -218,22 +226,25 @@ class Trainer:
         from dflash.core.config import with_overrides
         from dflash.core.errors import ConfigError
 
-        ctl = read_control(self.out)
-        if not ctl or ctl.get("serial", 0) <= self._control_serial:
+        ctl, problem = self._control.poll()
+        if problem is not None:
+            with self._records_lock:
+                self.records.write("control", t=self.queue.now(), accepted=False, change=rejected_change(None),
+                                   step=step, serial=None, reason=problem)
+            self.progress(f"live change rejected: {problem}")
+        if ctl is None:
             return
         self._control_serial = ctl["serial"]
-        change = ctl.get("queue", {})
+        change = ctl["queue"]
         try:
             if not isinstance(change, dict) or not change:
                 raise ConfigError("control", "must hold a non-empty 'queue' table", change)
             cfg = with_overrides(self.cfg, {f"queue.{k}": v for k, v in change.items()})
         except (ConfigError, TypeError, ValueError) as exc:  # any content: rejected, recorded, the run goes on
-            from dflash.pipeline.service import _plain
-
             reason = exc.line() if isinstance(exc, ConfigError) else f"control: {exc}"
             with self._records_lock:
-                self.records.write("control", t=self.queue.now(), accepted=False, change=_plain(change), step=step,
-                                   serial=ctl["serial"], reason=reason)
+                self.records.write("control", t=self.queue.now(), accepted=False, change=rejected_change(change),
+                                   step=step, serial=ctl["serial"], reason=reason)
             self.progress(f"live change #{ctl['serial']} rejected: {reason}")
             self.wb.event("queue_control", {"accepted": False, "serial": ctl["serial"]}, step=step)
             return
