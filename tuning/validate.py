@@ -123,32 +123,70 @@ def run_config(entry: dict[str, Any], base: DflashConfig, calibrated: DflashConf
     run_dir = args.out / "runs" / name
     if run_dir.exists():  # a dead worker's partial run: its timing would be mixed, start over
         shutil.rmtree(run_dir)
-    from dflash.pipeline.trainer import Trainer
-
-    trainer = Trainer(run_cfg, run_dir, wandb_mode="disabled", progress=progress)
-    res = trainer.run()
-    measured = {k: res.metrics.get(k) for k in COMPARED}
-    tau = _tau(trainer, run_cfg, args.prompts)
+    summary, metrics, tau = train_and_measure(run_cfg, run_dir, args.prompts, progress)
+    measured = {k: metrics.get(k) for k in COMPARED}
     measured["tau"] = tau.get("tau")
     (run_dir / "eval.json").write_text(json.dumps(clean_json(tau), indent=1))
     predicted = predict(entry, calibrated, steps, args.out / "sim" / name)
-    se = measurement_se(run_dir, res.metrics)
+    se = measurement_se(run_dir, metrics)
     return clean_json({
         "name": name, "trial": entry.get("trial"), "params": entry.get("params"), "queue": entry["queue"],
-        "run_dir": f"runs/{name}", "sim_dir": f"sim/{name}", "steps": res.summary.get("steps"),
-        "wall_s": res.summary.get("wall_s"), "measured": measured, "measured_se": se, "predicted": predicted,
+        "run_dir": f"runs/{name}", "sim_dir": f"sim/{name}", "steps": summary.get("steps"),
+        "wall_s": summary.get("wall_s"), "ranks": {"n_target": run_cfg.cluster.n_target,
+                                                   "n_drafter": run_cfg.cluster.n_drafter},
+        "measured": measured, "measured_se": se, "predicted": predicted,
         "rel_error": rel_errors(measured, predicted), "within_goal": within_goals(measured, se, predicted),
-        "loss_roughness_steps": res.metrics.get("loss_roughness_steps"), "tau_prompts": tau.get("num_prompts"),
+        "loss_roughness_steps": metrics.get("loss_roughness_steps"), "tau_prompts": tau.get("num_prompts"),
     })
 
 
-def _tau(trainer: Any, cfg: DflashConfig, n: int) -> dict[str, Any]:
+def train_and_measure(cfg: DflashConfig, run_dir: Path, prompts: int,
+                      progress: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Train one configuration (summary, metrics) and measure its drafter's tau.
+
+    One target + one drafter runs in this process (the library trainer: no process start-up per
+    configuration); any other shape runs as the distributed job, one process per rank, like
+    ``dflash train``.
+    """
+    if cfg.cluster.n_target == 1 and cfg.cluster.n_drafter == 1:
+        from dflash.pipeline.trainer import Trainer
+
+        trainer = Trainer(cfg, run_dir, wandb_mode="disabled", progress=progress)
+        res = trainer.run()
+        tau = _tau(trainer.target, trainer.drafter, set(trainer.trained_conversations), cfg, prompts)
+        return res.summary, res.metrics, tau
+    return _train_distributed(cfg, run_dir, prompts, progress)
+
+
+def _train_distributed(cfg: DflashConfig, run_dir: Path, prompts: int,
+                       progress: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    from dflash.model.drafter import DFlashDrafter
+    from dflash.model.target import load_target
+    from dflash.pipeline.launch import launch
+    from dflash.pipeline.rank import RunSpec
+    from dflash.pipeline.trainer import TrainingData
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    progress(f"distributed run: {cfg.cluster.n_target} target + {cfg.cluster.n_drafter} drafter ranks")
+    if launch(RunSpec(cfg, str(run_dir), wandb="disabled", quiet=True)) != 0:
+        raise RuntimeError(f"the distributed run in {run_dir} failed")
+    summary = next(read_records(run_dir, "summary"))
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    target = load_target(cfg.target.model)
+    drafter = DFlashDrafter.load(run_dir / "drafter", target.model)
+    data = TrainingData(cfg, target.tokenizer)
+    taken = [i for r in read_records(run_dir, "take") for i in r["item_ids"]]
+    trained = {data.conversations[k].id for k in data.sampler.sequences_of(taken)}
+    return summary, metrics, _tau(target, drafter, trained, cfg, prompts)
+
+
+def _tau(target: Any, drafter: Any, trained: set[str], cfg: DflashConfig, n: int) -> dict[str, Any]:
     """Acceptance length of the trained drafter on held-out prompts (the run's conversations excluded)."""
     from dflash.model.acceptance import evaluate_acceptance, heldout_prompts
 
-    prompts = heldout_prompts(trainer.target.tokenizer, n, seed=cfg.seed + 1, sample=cfg.workload.sample,
-                              skip_ids=set(trainer.trained_conversations), dataset=cfg.workload.dataset)
-    return evaluate_acceptance(trainer.target, trainer.drafter, prompts, max_new_tokens=cfg.train.eval_new_tokens)
+    prompts = heldout_prompts(target.tokenizer, n, seed=cfg.seed + 1, sample=cfg.workload.sample,
+                              skip_ids=trained, dataset=cfg.workload.dataset)
+    return evaluate_acceptance(target, drafter, prompts, max_new_tokens=cfg.train.eval_new_tokens)
 
 
 def predict(entry: dict[str, Any], calibrated: DflashConfig, steps: int, records_dir: Path) -> dict[str, Any]:

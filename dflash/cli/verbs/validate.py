@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from dflash.cli.options import CALIBRATION, Opt, Verb
+from dflash.cli.options import CALIBRATION, N_DRAFTER, N_TARGET, Opt, Verb
 from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 
@@ -58,6 +58,8 @@ VERB = Verb("run the selection on the real trainer; compare with predictions", c
         Opt("--storage", "str", "Optuna storage URL of --study", metavar="URL"),
         Opt("--top-k", "int", "configs taken from the study (>= 1)", key="sweep.top_k", metavar="K"),
         CALIBRATION,
+        N_TARGET,
+        N_DRAFTER,
         Opt("--takes", "int", "takes per validated config (>= 1)", lo=1, metavar="N"),
         Opt("--out", "outdir", "output directory", metavar="DIR"),
     ))
