@@ -15,14 +15,14 @@ that instant) before the next drafter's take re-checks the gate.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Generator, Iterator
+from heapq import heappush
 from typing import Any
 
 import simpy
 from simpy.core import BoundClass
-from simpy.events import Event
+from simpy.events import NORMAL, Event, Timeout
 from simpy.resources.base import BaseResource, Get, Put
 
 from dflash.core.queue_core import QueueCore, QueueItem
@@ -35,10 +35,17 @@ class QueuePut(Put):
     """A producer's request to enqueue ``item``; its value is the seconds it was blocked."""
 
     def __init__(self, resource: SimHSQueue, item: QueueItem, worker: int) -> None:
+        # Put.__init__ and Event.__init__ written out (a blocked put per item in a drafter-bound run)
+        env = resource._env
+        self.env = env
+        self.callbacks = [resource._trigger_get]
+        self.resource = resource
+        self.proc = env.active_process
         self.item = item
         self.index = worker
-        self.t_request = resource._env.now
-        super().__init__(resource)
+        self.t_request = env._now  # type: ignore[attr-defined]
+        resource.put_queue.append(self)
+        resource._trigger_put(None)
 
 
 class QueueGet(Get):
@@ -69,7 +76,10 @@ class _ByIndex(list):
     """Pending requests, kept sorted by worker index (stable among equal indices)."""
 
     def append(self, event: Any) -> None:
-        bisect.insort_right(self, event, key=lambda e: e.index)
+        i, index = len(self), event.index  # a few requests at most: a scan from the end beats bisect
+        while i and self[i - 1].index > index:
+            i -= 1
+        self.insert(i, event)
 
 
 class SimHSQueue(BaseResource):
@@ -80,11 +90,11 @@ class SimHSQueue(BaseResource):
 
     def __init__(self, env: simpy.Environment, core: QueueCore,
                  on_take: Callable[[QueueGet, list[QueueItem], str, int, tuple[int, ...]], None]
-                 | None = None, on_put: Callable[[QueueItem], None] | None = None) -> None:
+                 | None = None, on_put: Callable[[float, QueueItem], None] | None = None) -> None:
         super().__init__(env, math.inf)
         self.core = core
         self.on_take = on_take
-        self.on_put = on_put  # told of every put as the queue decides it (streaming metrics)
+        self.on_put = on_put  # told (time, item) of every put as the queue decides it (streaming metrics)
         self._puts_scheduled = False
         self._takes_scheduled = False
         self._ending: dict[float, int] = {}  # compute end time -> computes ending then
@@ -93,23 +103,50 @@ class SimHSQueue(BaseResource):
     get = BoundClass(QueueGet)
 
     # ------------------------------------------------------------------ process API
-    def put_item(self, item: QueueItem, worker: int) -> Generator[Event, Any, float]:
-        """A producer's put: ``blocked_s = yield from queue.put_item(item, w)``.
-
-        When nothing else happens at this instant, nobody is waiting to put and the item fits,
-        the put is decided at once with no event (the common case); otherwise it goes through the
-        ordered, deferred path. The decisions are the same either way.
-        """
+    def try_put(self, item: QueueItem) -> bool:
+        """The put decided at once, with no event, when nothing else happens at this instant, nobody
+        is waiting to put and the item fits (the common case): True if it was put. Otherwise the
+        producer goes through :meth:`put_item`, the ordered, deferred path; the decisions are the
+        same either way. A plain call, not a generator, so the common case costs no generator."""
         core = self.core
-        if (not self.put_queue and not self._puts_scheduled and self._alone_at_this_instant()
-                and core.fits(item)):
-            core.put(item, self._env._now)  # type: ignore[attr-defined]
-            if self.on_put is not None:
-                self.on_put(item)
-            if self.get_queue:
-                self._trigger_get(None)
+        if (self.put_queue or self._puts_scheduled or self._env._now in self._ending  # type: ignore[attr-defined]
+                or not core.fits(item)):
+            return False
+        now = self._env._now  # type: ignore[attr-defined]
+        core.put(item, now)
+        if self.on_put is not None:
+            self.on_put(now, item)
+        if self.get_queue:
+            self._trigger_get(None)
+        return True
+
+    def put_item(self, item: QueueItem, worker: int) -> Generator[Event, Any, float]:
+        """A producer's put: ``blocked_s = yield from queue.put_item(item, w)`` (:meth:`try_put` first)."""
+        if self.try_put(item):
             return 0.0
         return (yield self.put(item, worker))
+
+    def try_take(self, drafter: int, step: int | None, t_request: float) -> tuple[Any, list[QueueItem] | None] | None:
+        """A take decided at once when nothing else happens at this instant: (request, items), with
+        items None once producers have closed and the queue is drained; None when the drafter must
+        wait (then :meth:`take_items`)."""
+        if self.get_queue or self._takes_scheduled or self._puts_scheduled or \
+                self._env._now in self._ending:  # type: ignore[attr-defined]
+            return None
+        core = self.core
+        reason = core.gate()
+        if reason is not None:
+            request = TakeRequest(drafter, step, t_request)
+            depth_before, bucket_depths = core.depth, tuple(core.counts)  # as _take, written out
+            _, items = core.take(self._env._now)  # type: ignore[attr-defined]
+            if self.on_take is not None:
+                self.on_take(request, items, reason, depth_before, bucket_depths)
+            if self.put_queue:
+                self._admit()
+            return request, items
+        if core.closed and core.depth == 0:
+            return TakeRequest(drafter, step, self._env._now), None  # type: ignore[attr-defined]
+        return None
 
     def take_items(self, drafter: int, step: int | None = None, t_request: float | None = None
                    ) -> Generator[Event, Any, tuple[Any, list[QueueItem] | None]]:
@@ -118,19 +155,10 @@ class SimHSQueue(BaseResource):
         ``items`` is None once producers have closed and the queue is drained. ``t_request``
         (default: now) is when the drafter became ready to take, for its gate-wait time.
         """
-        if (not self.get_queue and not self._takes_scheduled and not self._puts_scheduled
-                and self._alone_at_this_instant()):
-            core = self.core
-            now = self._env._now  # type: ignore[attr-defined]
-            reason = core.gate()
-            if reason is not None:
-                request = TakeRequest(drafter, step, now if t_request is None else t_request)
-                items = self._take(request, reason)
-                if self.put_queue:
-                    BaseResource._trigger_put(self, None)
-                return request, items
-            if core.closed and core.depth == 0:
-                return TakeRequest(drafter, step, now), None
+        now = self._env._now  # type: ignore[attr-defined]
+        got = self.try_take(drafter, step, now if t_request is None else t_request)
+        if got is not None:
+            return got
         event = self.get(drafter, step, t_request)
         items = yield event
         return event, items
@@ -148,10 +176,21 @@ class SimHSQueue(BaseResource):
         """The timeout of a producer's or drafter's compute. Processes that put or take must use
         it (not ``env.timeout``): the queue counts computes ending at each instant, which is how
         it knows whether another put or take can still happen at the current instant."""
-        end = self._env._now + seconds  # type: ignore[attr-defined]  # SimPy's own sum, same float
-        self._ending[end] = self._ending.get(end, 0) + 1
-        timeout = self._env.timeout(seconds)
-        timeout.callbacks.insert(0, self._compute_ended)  # type: ignore[union-attr]
+        if seconds < 0:
+            raise ValueError(f"negative compute time {seconds}")
+        env = self._env
+        end = env._now + seconds  # type: ignore[attr-defined]  # SimPy's own sum, same float
+        ending = self._ending
+        ending[end] = ending.get(end, 0) + 1
+        # SimPy's Timeout.__init__ and Environment.schedule written out (as SimPy inlines its own
+        # hot paths), with the queue's bookkeeping as the first callback: one compute per item.
+        timeout = Timeout.__new__(Timeout)
+        timeout.env = env
+        timeout.callbacks = [self._compute_ended]
+        timeout._value = None
+        timeout._delay = seconds
+        timeout._ok = True
+        heappush(env._queue, (end, NORMAL, next(env._eid), timeout))  # type: ignore[attr-defined]
         return timeout
 
     def _compute_ended(self, _: Event) -> None:
@@ -171,8 +210,10 @@ class SimHSQueue(BaseResource):
     def _trigger_put(self, get_event: Any) -> None:
         if self._puts_scheduled:
             return
-        if self._alone_at_this_instant():
-            self._settle_puts(None)
+        if self._env._now not in self._ending:  # type: ignore[attr-defined]  # alone at this instant
+            self._admit()
+            if self.get_queue and self.core.gate() is not None:
+                self._trigger_get(None)  # as _settle_puts
         else:
             self._puts_scheduled = True
             self._schedule(self._settle_puts, PUT_PRIORITY)
@@ -180,15 +221,16 @@ class SimHSQueue(BaseResource):
     def _trigger_get(self, put_event: Any) -> None:
         if self._takes_scheduled:
             return
-        if self._alone_at_this_instant() and not self._puts_scheduled:
-            self._settle_takes(None)
+        if self._env._now not in self._ending and not self._puts_scheduled:  # alone at this instant
+            if self.get_queue:
+                self._settle_takes(None)
         else:
             self._takes_scheduled = True
             self._schedule(self._settle_takes, TAKE_PRIORITY)
 
     def _settle_puts(self, _: Event | None) -> None:
         self._puts_scheduled = False
-        BaseResource._trigger_put(self, None)
+        self._admit()
         if self.get_queue and self.core.gate() is not None:
             self._trigger_get(None)  # e.g. a producer just blocked at the cap opened the gate
 
@@ -201,9 +243,38 @@ class SimHSQueue(BaseResource):
                 break
             q.pop(0)
             if self.put_queue:  # admit producers blocked at the cap before the next take
-                BaseResource._trigger_put(self, None)
+                self._admit()
 
     # ------------------------------------------------------------------ decisions
+    def _admit(self) -> None:
+        """Settle waiting puts in worker order: SimPy's ``BaseResource._trigger_put`` loop over
+        :meth:`_do_put`, written out for the depth cap (the hot path when producers wait at the
+        cap): admit while the head fits; the first that does not fit blocks everyone behind it."""
+        core = self.core
+        if core.config.max_bytes is not None:  # a smaller item behind may still fit: the general loop
+            BaseResource._trigger_put(self, None)
+            return
+        q = self.put_queue
+        on_put = self.on_put
+        blocked = core.blocked
+        while q:
+            ev = q[0]
+            item = ev.item
+            if not core.fits(item):
+                if len(blocked) < len(q):  # else everyone waiting is marked already
+                    for e in q:
+                        if e.index not in blocked:
+                            core.block(e.index, e.item.nbytes)
+                return
+            del q[0]
+            if blocked:
+                core.unblock(ev.index)
+            now = self._env._now  # type: ignore[attr-defined]
+            core.put(item, now)
+            if on_put is not None:
+                on_put(now, item)
+            ev.succeed(now - ev.t_request)
+
     def _do_put(self, event: QueuePut) -> bool:  # type: ignore[override]
         core = self.core
         if core.fits(event.item):
@@ -212,7 +283,7 @@ class SimHSQueue(BaseResource):
             now = self._env._now  # type: ignore[attr-defined]
             core.put(event.item, now)
             if self.on_put is not None:
-                self.on_put(event.item)
+                self.on_put(now, event.item)
             event.succeed(now - event.t_request)
             return True
         core.block(event.index, event.item.nbytes)

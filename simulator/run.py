@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     bpt = bytes_per_token(cfg)
     seq_anchors = _sequence_anchors(cfg, sampler)
     move_s = _transfer_s_per_byte(cfg)  # [producer][drafter]
+    moves = any(x for row in move_s for x in row)
     allreduce_s = allreduce_seconds(cfg, n_drafter) if sync else 0.0
 
     records = keep_records or records_dir is not None or cfg.loss_model.fitted
@@ -86,7 +88,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     produce_rows, take_rows = trace.produce_rows, trace.take_rows  # field orders: dflash.core.runmetrics
     stream = StreamMetrics(p=mix, min_ready=q.min_ready, window=cfg.metrics.window, warmup_s=cfg.metrics.warmup_s,
                            n_target=n_target, n_drafter=n_drafter, n_buckets=sampler.n_buckets)
-    stream_put, stream_take, stream_produced = stream.put, stream.take, stream.produced
+    stream_take = stream.take
     held: dict[int, list[QueueItem]] = {}  # drafter -> items in its current step
     blocked: dict[int, QueueItem] = {}  # producer -> item held at the cap
     held_since: dict[int, float] = {}  # producer -> when it finished the item it holds
@@ -94,53 +96,53 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     resident = [0] * n_target  # hidden-state bytes each producer holds (queued or at the cap)
     peaks = [0, 0]  # the most bytes one producer held, the most one take held
 
-    def on_put(item: QueueItem) -> None:
-        stream_put(env._now, item.item_id, item.bucket, item.nbytes)  # type: ignore[attr-defined]
-
     def on_take(ev: QueueGet | TakeRequest, items: list[QueueItem], reason: str, depth_before: int,
                 bucket_depths: tuple[int, ...]) -> None:
         now = env._now  # type: ignore[attr-defined]
         tokens = n_seqs = anchors = nbytes = 0
         move = 0.0
-        per_drafter = ev.index
         for it in items:
-            w, an = it.payload
+            w, an, _, _ = it.payload
             tokens += it.real_tokens
             n_seqs += it.n_seqs
             anchors += an
             nbytes += it.nbytes
             resident[w] -= it.nbytes
-            move += it.nbytes * move_s[w][per_drafter]
+            if moves:
+                move += it.nbytes * move_s[w][ev.index]
         if nbytes > peaks[1]:
             peaks[1] = nbytes
         compute = ev.compute_s = drafter_time(tokens, anchors) + move
         wait = now - ev.t_request
-        stream_take(now, [(it.item_id, it.padded_len, it.nbytes) for it in items], items[0].bucket, wait,
-                    compute, tokens, n_seqs, depth_before, bucket_depths)
+        stream_take(now, ev.index, items, items[0].bucket, wait, compute, tokens, n_seqs, nbytes, depth_before,
+                    bucket_depths)
         if records:
             take_rows.append((now, ev.index, ev.step, [it.item_id for it in items], items[0].bucket, wait,
                               depth_before, bucket_depths, reason, compute, tokens, n_seqs, anchors))
 
-    queue = SimHSQueue(env, core, on_take, on_put)
-    specs = item_stream(sampler.iter_items(), max_items)
+    queue = SimHSQueue(env, core, on_take, stream.put)
+    try_put, try_take, compute = queue.try_put, queue.try_take, queue.compute
+    specs = sampler.iter_items() if max_items is None else item_stream(sampler.iter_items(), max_items)
     producers_left = [n_target]
 
     def producer(w: int) -> Any:
         for spec in specs:
-            t0 = producing[w] = env.now
-            yield queue.compute(target_time(spec.n_seqs, spec.padded_len, t0))
+            t0 = producing[w] = env._now  # type: ignore[attr-defined]
+            yield compute(target_time(spec.n_seqs, spec.padded_len, t0))
             del producing[w]
-            t1 = env.now
+            t1 = env._now  # type: ignore[attr-defined]
             nbytes = spec.n_seqs * spec.padded_len * bpt
             item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len, nbytes,
-                             (w, sum(map(seq_anchors.__getitem__, spec.seq_indices))))
+                             (w, sum(map(seq_anchors.__getitem__, spec.seq_indices)), t0, t1))
             resident[w] += nbytes
             if resident[w] > peaks[0]:
                 peaks[0] = resident[w]
-            blocked[w], held_since[w] = item, t1
-            blocked_s = yield from queue.put_item(item, w)
-            del blocked[w], held_since[w]
-            stream_produced(t0, t1, t1 + blocked_s)
+            if try_put(item):
+                blocked_s = 0.0
+            else:
+                blocked[w], held_since[w] = item, t1
+                blocked_s = yield queue.put(item, w)
+                del blocked[w], held_since[w]
             if records:
                 produce_rows.append((t1, spec.item_id, w, spec.bucket, spec.n_seqs, spec.real_tokens,
                                      spec.padded_len, t0, t1, blocked_s, nbytes))
@@ -166,23 +168,31 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
         and computes from the moment it gets its items; the step ends with the slowest, then the
         gradient all-reduce. One process for all drafters: the same decisions as one process each
         behind a barrier, with a fraction of the events."""
+        drafters = range(n_drafter)
         while True:
-            step, t_step = step_no[0], env.now
+            step, t_step = step_no[0], env._now  # type: ignore[attr-defined]
             finish = t_step
-            waiting.update(dict.fromkeys(range(n_drafter), t_step))
-            for d in range(n_drafter):
-                request, items = yield from queue.take_items(d, step, t_step)
+            for d in drafters:
+                waiting[d] = t_step
+            for d in drafters:
+                got = try_take(d, step, t_step)
+                request, items = got if got is not None else (yield from queue.take_items(d, step, t_step))
                 del waiting[d]
                 if items is not None:
                     held[d] = items
-                    finish = max(finish, env.now + request.compute_s)
+                    end = env._now + request.compute_s  # type: ignore[attr-defined]
+                    if end > finish:
+                        finish = end
             if not held:
                 return  # producers closed and the queue is drained
-            yield queue.compute(finish + allreduce_s - env.now)
-            for d in list(held):
-                trained[0] += len(held.pop(d))
+            yield compute(finish + allreduce_s - env._now)  # type: ignore[attr-defined]
+            n = 0
+            for items in held.values():
+                n += len(items)
+            held.clear()
+            trained[0] += n
             step_no[0] += 1
-            if budget_spent():
+            if max_steps is not None and budget_spent():
                 return
 
     def independent_drafter(d: int) -> Any:
@@ -214,7 +224,6 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     queued_at_stop = core.depth
     stranded = {"queued": queued_at_stop, "blocked_producers": len(blocked),
                 "gate_open_at_stop": core.gate() is not None}
-    core.discard_all()
     summary = {
         "produced": sum(core.counters.produced) + len(blocked), "trained": trained[0] + in_steps,
         "discarded_at_stop": queued_at_stop + len(blocked), "replayed": 0,
@@ -227,7 +236,8 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
         "drafter_wait": [(t, close_t) for t in waiting.values()],
     }
     summary["open_intervals"] = open_intervals  # in the summary record, so records alone give the metrics
-    metrics = stream.finish(close_t, open_intervals)
+    metrics = stream.finish(close_t, core, open_intervals)
+    core.discard_all()
     metrics.update(predicted_roughness(cfg, trace))
     metrics.update(peak_producer_bytes=peaks[0], peak_drafter_bytes=peaks[1],
                    peak_device_bytes=fullest_device_bytes(cfg, n_target=n_target, producer_bytes=peaks[0],
@@ -254,10 +264,19 @@ def _run(env: simpy.Environment, sim_seconds: float, budget_done: Any, progress:
         progress(env.now)
 
 
+_ANCHORS: weakref.WeakKeyDictionary[Sampler, dict[tuple[Any, ...], list[int]]] = weakref.WeakKeyDictionary()
+
+
 def _sequence_anchors(cfg: DflashConfig, sampler: Sampler) -> list[int]:
-    prompts = sampler.prompt_lengths
-    return [anchors_for([n], cfg.timing, cfg.drafter, None if prompts is None else [prompts[k]])
-            for k, n in enumerate(sampler.lengths)]
+    """Each sequence's anchor count, computed once per sampler and drafter shape (a sweep runs many
+    simulations over one sampler; computing them costs ~3 us per item of a one-hour run)."""
+    key = (cfg.drafter.anchors, cfg.drafter.block_size, cfg.timing.response_fraction)
+    per_sampler = _ANCHORS.setdefault(sampler, {})
+    if key not in per_sampler:
+        prompts = sampler.prompt_lengths
+        per_sampler[key] = [anchors_for([n], cfg.timing, cfg.drafter, None if prompts is None else [prompts[k]])
+                            for k, n in enumerate(sampler.lengths)]
+    return per_sampler[key]
 
 
 def _transfer_s_per_byte(cfg: DflashConfig) -> list[list[float]]:

@@ -21,21 +21,29 @@ class Noise:
     def __init__(self, kind: str, cv: float, samples: Sequence[float], rng: random.Random) -> None:
         self.kind = kind
         self.rng = rng
+        self.draw = self._one  # chosen once: a draw is made for every item and every take
         if kind == "lognormal":
             self.sigma = math.sqrt(math.log1p(cv * cv))
             self.mu = -0.5 * self.sigma * self.sigma
+            if self.sigma > 0:
+                self.draw = self._lognormal
+        if kind == "exponential":
+            self.draw = self._exponential
         if kind == "empirical":
             mean = sum(samples) / len(samples)
             self.samples = [s / mean for s in samples]  # rescaled to mean 1
+            self.draw = self._empirical
 
-    def draw(self) -> float:
-        k = self.kind
-        if k == "deterministic":
-            return 1.0
-        if k == "lognormal":
-            return self.rng.lognormvariate(self.mu, self.sigma) if self.sigma > 0 else 1.0
-        if k == "exponential":
-            return self.rng.expovariate(1.0)
+    def _one(self) -> float:
+        return 1.0
+
+    def _lognormal(self) -> float:
+        return math.exp(self.rng.normalvariate(self.mu, self.sigma))  # random.lognormvariate, one call less
+
+    def _exponential(self) -> float:
+        return self.rng.expovariate(1.0)
+
+    def _empirical(self) -> float:
         return self.samples[int(self.rng.random() * len(self.samples))]
 
 
@@ -83,7 +91,7 @@ class TargetTime:
         return self.a + n_seqs * padded_len * (self.b + self.c * padded_len)
 
     def __call__(self, n_seqs: int, padded_len: int, now: float) -> float:
-        t = self.mean(n_seqs, padded_len) * self.noise.draw()
+        t = (self.a + n_seqs * padded_len * (self.b + self.c * padded_len)) * self.noise.draw()
         if self.burst_a:
             t *= 1.0 + self.burst_a * math.sin(self.burst_w * now)
         return t
@@ -102,4 +110,4 @@ class DrafterTime:
         return self.a + self.b * tokens + self.c * anchors
 
     def __call__(self, tokens: int, anchors: int) -> float:
-        return self.mean(tokens, anchors) * self.noise.draw()
+        return (self.a + self.b * tokens + self.c * anchors) * self.noise.draw()
