@@ -65,6 +65,8 @@ class DrafterObs:
     seq_lengths: tuple[int, ...] | None = None  # to recompute the simulator's anchors
     drafter_cfg: DrafterConfig | None = None
     seq_prompts: tuple[int, ...] | None = None  # where each sequence's response starts
+    transfer_s: float | None = None  # of the busy time, moving the take's hidden states to the drafter
+    bytes: float | None = None  # hidden-state bytes the take moved
 
 
 @dataclass
@@ -206,12 +208,35 @@ def fit_burst(obs: Sequence[TargetObs], samples_ratio: Sequence[float]) -> dict[
     return out
 
 
+def fit_transfer(obs: Sequence[DrafterObs]) -> dict[str, Any] | None:
+    """Seconds per byte of moving hidden states producer -> drafter, from takes that timed it.
+
+    The ratio of sums (total transfer time over total bytes), the rate a drafter sees over a run,
+    as the other terms are scaled; None when no take carries both ``transfer_s`` and ``bytes``.
+    The runs calibrated are one node's, so the rate is the within-node one.
+    """
+    timed = [(o.transfer_s, o.bytes) for o in obs if o.transfer_s is not None and o.bytes]
+    if not timed:
+        return None
+    seconds, nbytes = sum(s for s, _ in timed), sum(b for _, b in timed)
+    rate = seconds / nbytes
+    return {"s_per_byte": rate, "n": len(timed), "bytes": nbytes, "gb_per_s": (1 / rate / 1e9) if rate > 0 else None}
+
+
+def without_transfer(obs: Sequence[DrafterObs]) -> list[DrafterObs]:
+    """The takes with their measured transfer time taken off their busy time: the simulator adds
+    transfers per byte itself, so the drafter's own terms must not count them twice."""
+    return [replace(o, busy_s=o.busy_s - o.transfer_s) if o.transfer_s and o.busy_s > o.transfer_s else o
+            for o in obs]
+
+
 def fit_timing(obs: Observations, base: TimingConfig, n_buckets: int, seed: int = 0
                ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``timing`` table of a calibration file and the fit report. Caller checks the counts."""
     rng = random.Random(seed)
     target = fit_target(obs.target, n_buckets, rng)
-    drafter, rf = fit_drafter(obs.drafter, base, n_buckets, rng)
+    transfer = fit_transfer(obs.drafter)
+    drafter, rf = fit_drafter(without_transfer(obs.drafter) if transfer else obs.drafter, base, n_buckets, rng)
     ratios = _ratios_in_time_order(obs.target, target)  # all of them: the fit kept a sample
     burst = fit_burst(obs.target, ratios)
     target_samples = list(target.samples)
@@ -230,6 +255,9 @@ def fit_timing(obs: Observations, base: TimingConfig, n_buckets: int, seed: int 
         "burst_amplitude": burst["amplitude"], "burst_period_s": burst["period_s"] or base.burst_period_s,
     }
     report: dict[str, Any] = {"target": target.as_json(), "drafter": drafter.as_json(), "burst": burst}
+    if transfer is not None:
+        timing["transfer_intra_s_per_byte"] = transfer["s_per_byte"]
+        report["transfer"] = transfer
     per_token = [o.bytes / (o.n_seqs * o.padded_len) for o in obs.target if o.bytes]
     if per_token:
         bpt = float(np.median(per_token))

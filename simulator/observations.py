@@ -128,7 +128,8 @@ def _from_run(p: Path, index: int) -> RunData:
                     prompts = tuple(sampler.prompt_lengths[k] for k in seqs)
             obs.drafter.append(DrafterObs(index, d, float(r["t"]), float(busy), int(r.get("tokens") or 0),
                                           int(r["bucket"]), r.get("anchors"), lengths,
-                                          cfg.drafter if cfg is not None else None, prompts))
+                                          cfg.drafter if cfg is not None else None, prompts,
+                                          _number(r.get("transfer_s")), _number(r.get("bytes"))))
     n_buckets = sampler.n_buckets if sampler else 1 + max([int(r["bucket"]) for r in takes] or [0])
     mix = sampler.item_mix() if sampler else _observed_mix([int(r["bucket"]) for r in takes], n_buckets)
     make = makeup_from_takes(takes, losses=steps) if steps else []
@@ -189,6 +190,11 @@ def _from_log(p: Path, index: int) -> RunData:
     mix = _observed_mix([int(b) for b in df.loc[df["role"] == "drafter", "bucket"]], n_buckets)
     make = makeup_from_takes(takes, losses=losses) if losses else []
     return RunData(p, "log", obs, make, None, n_buckets, mix)
+
+
+def _number(v: Any) -> float | None:
+    """A finite number from a record field, or None (absent, null or NaN: older records)."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
 def _isnan(v: Any) -> bool:

@@ -226,3 +226,36 @@ def test_a_bad_loss_model_table_names_its_key(table: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:
         with_overrides(DflashConfig(), {f"loss_model.{k}": v for k, v in table.items()})
     assert err.value.key == key
+
+
+def test_calibration_learns_a_per_byte_transfer_cost_from_timed_takes(tmp_path: Path) -> None:
+    """Takes that record ``transfer_s`` and ``bytes`` (the distributed trainer's) give the per-byte
+    move cost; it is taken off the drafter's busy time, so the drafter's own terms stay unbiased.
+    Without those fields (older records) nothing changes."""
+    rate = 1e-5  # seconds per byte: ~10% of a drafter step here (~1,200 bytes per item)
+    cfg = with_overrides(known_config(), {"timing.transfer_intra_s_per_byte": rate, "timing.dtype_bytes": 1,
+                                          "timing.hidden_size": 8, "target.capture_layers": 1})
+    run = tmp_path / "run"
+    simulate(cfg, make_sampler(cfg.workload, seed=0), sim_seconds=1500, records_dir=run)
+    plain = calibrate([run], DflashConfig())
+    assert "transfer" not in plain["fit"] and "transfer_intra_s_per_byte" not in plain["timing"]
+    nbytes = {r["item_id"]: r["bytes"] for r in read_records(run, "produce")}
+    path = next(run.glob("take*.jsonl"))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        r["bytes"] = sum(nbytes[i] for i in r["item_ids"])
+        r["transfer_s"] = r["bytes"] * rate
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = calibrate([run], DflashConfig())
+    assert data["timing"]["transfer_intra_s_per_byte"] == pytest.approx(rate, rel=1e-9)
+    assert data["fit"]["transfer"]["n"] == len(rows)
+    mean_true = np.mean([KNOWN["drafter_fixed_s"] + KNOWN["drafter_per_token_s"] * r["tokens"]
+                         + KNOWN["drafter_per_anchor_s"] * r["anchors"] for r in rows])
+    t = data["timing"]
+    mean_fit = np.mean([t["drafter_fixed_s"] + t["drafter_per_token_s"] * r["tokens"]
+                        + t["drafter_per_anchor_s"] * r["anchors"] for r in rows])
+    assert mean_fit == pytest.approx(mean_true, rel=0.02)  # the transfer is not in the drafter's terms
+    p = plain["timing"]
+    plain_fit = np.mean([p["drafter_fixed_s"] + p["drafter_per_token_s"] * r["tokens"]
+                         + p["drafter_per_anchor_s"] * r["anchors"] for r in rows])
+    assert plain_fit > 1.05 * mean_true  # without the timed moves, the drafter absorbs them
