@@ -35,6 +35,7 @@ from dflash.core.records import clean_json
 from tuning.evaluate import ATTR_METRICS, OBJECTIVES, Evaluation, Evaluator, constraint_values
 from tuning.select import (
     NAMED,
+    SPLIT_KEYS,
     complete_trials,
     feasible_front,
     importances,
@@ -43,7 +44,7 @@ from tuning.select import (
     tuned_entries,
     write_selection,
 )
-from tuning.space import SearchSpace, effective_queue, parse_space
+from tuning.space import SearchSpace, Split, effective_queue, effective_split, parse_space
 from tuning.study import (
     HOST,
     Objective,
@@ -121,9 +122,14 @@ def join_as_worker(study: optuna.Study, cfg: DflashConfig, args: SweepArgs) -> i
     return stream
 
 
-def config_key(queue: QueueConfig) -> str:
-    """Two trials run the same configuration exactly when their effective queues have one key."""
-    return json.dumps(queue.__dict__, sort_keys=True)
+def config_key(queue: QueueConfig, split: Split | None = None) -> str:
+    """Two trials run the same configuration exactly when their effective queues (and splits) have one key."""
+    return json.dumps({**queue.__dict__, **(split.as_json() if split else {})}, sort_keys=True)
+
+
+def _setting(cfg: DflashConfig, params: dict[str, Any]) -> tuple[QueueConfig, Split | None]:
+    """A trial's queue and, when the space varies ``n_target``, its split."""
+    return effective_queue(cfg.queue, params), effective_split(cfg.cluster, params) if "n_target" in params else None
 
 
 def make_propose(cfg: DflashConfig, space: SearchSpace | None, grid: bool) -> Propose:
@@ -137,8 +143,8 @@ def make_propose(cfg: DflashConfig, space: SearchSpace | None, grid: bool) -> Pr
         else:
             assert space is not None
             params = space.sample(trial)
-        queue = effective_queue(cfg.queue, params)
-        return config_key(queue), queue
+        setting = _setting(cfg, params)
+        return config_key(*setting), setting
 
     return propose
 
@@ -157,16 +163,20 @@ def distinct_configurations(cfg: DflashConfig, space: SearchSpace | None, grid: 
     if n_int > COUNT_LIMIT:
         return None
     names = list(space.ints)
-    ints = {config_key(effective_queue(cfg.queue, dict(zip(names, combo, strict=True))))
+    ints = {config_key(*_setting(cfg, dict(zip(names, combo, strict=True))))
             for combo in itertools.product(*(r.values() for r in space.ints.values()))}
     return len(ints) * math.prod(len(c) for c in space.choices.values())
 
 
 def make_objective(cfg: DflashConfig, evaluator: Evaluator, grid: bool, reference: float | None) -> Objective:
-    def objective(trial: optuna.Trial, queue: QueueConfig) -> tuple[list[float], dict[str, float]]:
-        ev = evaluator.evaluate(queue)
+    def objective(trial: optuna.Trial, setting: tuple[QueueConfig, Split | None]
+                  ) -> tuple[list[float], dict[str, float]]:
+        queue, split = setting
+        ev = evaluator.evaluate(queue, split)
         for key, value in queue.__dict__.items():
             trial.set_user_attr(f"queue_{key}", value)
+        for key, value in (ev.split.as_json() if ev.split else {}).items():
+            trial.set_user_attr(key, value)
         for key in ATTR_METRICS:
             trial.set_user_attr(key, _finite(ev.mean[key]))
             trial.set_user_attr(f"{key}_se", _finite(ev.se[key]))
@@ -235,6 +245,7 @@ def named_evaluations(cfg: DflashConfig, study: optuna.Study, evaluator: Callabl
             continue
         nan = float("nan")
         out[name] = Evaluation(queue=stored["queue"], seeds=tuple(stored["seeds"]),
+                               split=Split(stored["n_target"], stored["n_drafter"]) if "n_target" in stored else None,
                                reached=bool(stored["steady_state_reached"]),
                                mean={k: nan if v is None else v for k, v in stored["mean"].items()},
                                se={k: nan if v is None else v for k, v in stored["se"].items()})
@@ -393,6 +404,7 @@ def finish(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: C
     configs = [{**entry, "predicted": _predicted(t)} for entry, t in zip(tuned_entries(top), top, strict=True)]
     for name, ev in named.items():
         configs.append({"name": name, "trial": None, "params": NAMED[name], "queue": ev.queue,
+                        **(ev.split.as_json() if ev.split else {}),
                         "predicted": {k: {"mean": ev.mean[k], "se": ev.se[k]} for k in ATTR_METRICS}})
     imps = importances(study, objective_names) if not args.grid else {}
     selection = {
@@ -417,6 +429,9 @@ def _write_trials_table(study: optuna.Study, args: SweepArgs, objective_names: l
                                        "params", "user_attrs", "state", "duration"))
     by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
     df["feasible"] = [by_number[n].state == TrialState.COMPLETE and feasible(by_number[n]) for n in df["number"]]
+    for key in SPLIT_KEYS:  # the split of every trial, under its own name
+        if f"user_attrs_{key}" in df:
+            df[key] = df[f"user_attrs_{key}"]
     args.out.mkdir(parents=True, exist_ok=True)
     parquet = args.out / "trials.parquet"
     tmp = parquet.with_name(f".{parquet.name}.{os.getpid()}.tmp")  # whole or not at all, as atomic_write_text
