@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
+import pandas as pd
 import pytest
 
+from dflash.cli import main
 from dflash.core.config import ClusterConfig, QueueConfig, config_from_dict, with_overrides
 from dflash.core.errors import ConfigError
 from simulator.run import simulate
@@ -91,3 +95,44 @@ def test_hidden_state_moves_cost_their_bytes_within_or_across_nodes() -> None:
         rate = 1e-9 if t["drafter"] == 0 else 1e-8
         moved = sum(nbytes[i] for i in t["item_ids"])
         assert math.isclose(t["compute_s"], 1.0 + moved * rate, rel_tol=1e-12)
+
+
+SWEEP_TOML = """
+seed = 0
+[workload]
+lengths = "lognormal"
+n_sequences = 2000
+[cluster]
+gpus = 6
+n_target = 3
+n_drafter = 3
+[timing]
+target_noise = "deterministic"
+drafter_noise = "deterministic"
+[sweep]
+seeds_per_trial = 1
+sim_seconds = 600
+top_k = 2
+space = { n_target = { low = 1, high = 6 }, min_ready = { low = 1, high = 30 } }
+"""
+
+
+def test_dflash_sweep_tries_splits_and_names_the_chosen_one(tmp_path: Path) -> None:
+    """The issue's "done when": with [cluster] gpus and n_target in the space the sweep tries several
+    splits, writes n_target to trials.parquet and names every selected configuration's split."""
+    cfg = tmp_path / "split.toml"
+    cfg.write_text(SWEEP_TOML)
+    out = tmp_path / "out"
+    assert main(["sweep", "--config", str(cfg), "--trials", "10", "--out", str(out)]) == 0
+    df = pd.read_parquet(out / "trials.parquet")
+    done = df[df["state"] == "COMPLETE"]
+    assert done["n_target"].nunique() >= 3
+    assert ((done["n_target"] + done["n_drafter"]) == 6).all()
+    assert not done[done["n_drafter"] == 0]["feasible"].any()  # no drafter: infeasible, not failed
+    sel = json.loads((out / "selection.json").read_text())
+    for c in sel["configs"]:
+        assert c["n_target"] >= 1 and c["n_drafter"] >= 1, c
+    tuned = [c for c in sel["configs"] if c["name"].startswith("tuned")]
+    assert all(c["n_target"] + c["n_drafter"] == 6 for c in tuned)
+    named = {c["name"]: c for c in sel["configs"]}
+    assert (named["baseline"]["n_target"], named["baseline"]["n_drafter"]) == (3, 3)  # the configured split
