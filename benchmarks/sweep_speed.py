@@ -10,6 +10,7 @@ and locking, baseline and handpicked for the selection, and the Parquet export. 
 (``os.getloadavg``) is printed before and after: a busy core depresses the ratio, so the CPU
 seconds per trial (this process and its workers) and the mean number of trials running at once
 are printed too; they show whether running in parallel adds work or only waits for cores.
+``--repeat N`` interleaves N pairs and compares the best wall time of each contender.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from dflash.core.config import load_config, with_overrides
+from dflash.core.config import DflashConfig, load_config, with_overrides
 from simulator.calibration import apply_calibration
 from tuning.study import open_storage
 from tuning.sweep import SweepArgs, run_sweep
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="the parallel contender (default 2)")
     ap.add_argument("--config", default=str(PROFILE))
     ap.add_argument("--calibration", default=None, help="calibration JSON (dflash calibrate / dflash demo)")
+    ap.add_argument("--repeat", type=int, default=1, help="interleaved pairs; the best wall of each counts")
     args = ap.parse_args()
     cfg = with_overrides(load_config(args.config), {"sweep.seeds_per_trial": args.seeds,
                                                     "sweep.sim_seconds": args.sim_seconds})
@@ -68,24 +70,29 @@ def main() -> None:
     print(f"{Path(args.config).name}, calibration {args.calibration or 'none (timing as configured)'}; "
           f"{args.trials} trials x {args.seeds} seeds x {args.sim_seconds:g} simulated s; {os.cpu_count()} CPUs; "
           f"load average {load()}")
-    rates, cpu_per = {}, {}
+    walls: dict[int, list[float]] = {1: [], args.workers: []}
     with tempfile.TemporaryDirectory() as tmp:
-        for workers in (1, args.workers):
-            out = Path(tmp) / f"w{workers}"
-            sargs = SweepArgs(trials=args.trials, storage=str(out / "study.journal"), study="bench",
-                              workers=workers, grid=False, out=out, calibration=args.calibration)
-            t0, c0 = time.perf_counter(), cpu_s()
-            run_sweep(cfg, sargs, progress=False)
-            wall, cpu = time.perf_counter() - t0, cpu_s() - c0
-            complete, distinct, busy = distinct_complete(sargs.storage, "bench")
-            rates[workers] = distinct / wall
-            cpu_per[workers] = cpu / distinct
-            print(f"workers {workers}: {complete} complete, {distinct} distinct trials in {wall:6.1f} s  "
-                  f"({60 * rates[workers]:6.1f} distinct trials/min); trials running at once on average "
-                  f"{busy / wall:.2f}; CPU {cpu:.1f} s ({cpu_per[workers]:.2f} s per trial); load average {load()}")
-    print(f"speed-up --workers {args.workers} / one worker (distinct trials per second): "
-          f"{rates[args.workers] / rates[1]:.2f}x; CPU per trial {cpu_per[args.workers] / cpu_per[1]:.2f}x "
-          f"(1.00x = no work added by running in parallel)")
+        for rep in range(args.repeat):
+            for workers in (1, args.workers):
+                walls[workers].append(contender(cfg, args, Path(tmp) / f"r{rep}-w{workers}", workers))
+    best = {w: min(v) for w, v in walls.items()}
+    print(f"speed-up --workers {args.workers} / one worker (distinct trials per second), best wall of "
+          f"{args.repeat} each: {best[1] / best[args.workers]:.2f}x")
+
+
+def contender(cfg: DflashConfig, args: argparse.Namespace, out: Path, workers: int) -> float:
+    """One sweep; prints its line and returns its wall time per distinct trial."""
+    sargs = SweepArgs(trials=args.trials, storage=str(out / "study.journal"), study="bench",
+                      workers=workers, grid=False, out=out, calibration=args.calibration)
+    t0, c0 = time.perf_counter(), cpu_s()
+    run_sweep(cfg, sargs, progress=False)
+    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+    complete, distinct, busy = distinct_complete(sargs.storage, "bench")
+    print(f"workers {workers}: {complete} complete, {distinct} distinct trials in {wall:6.1f} s  "
+          f"({60 * distinct / wall:6.1f} distinct trials/min); trials running at once on average "
+          f"{busy / wall:.2f}; CPU {cpu:.1f} s ({cpu / distinct:.2f} s per trial, {cpu / wall:.2f} cores busy); "
+          f"load average {load()}", flush=True)
+    return wall / distinct
 
 
 if __name__ == "__main__":
