@@ -199,3 +199,19 @@ def test_damaged_records_are_counted_and_the_count_printed(tmp_path: Path, capsy
     assert [c.id for c in convs] == ["a", "b"] and stats.broken == 2
     err = capsys.readouterr().err
     assert "2 damaged record(s) skipped" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("make", "key"), [(empty_data, "workload.dataset"), (only_damaged_data, "workload.dataset"),
+                                           (model_dir_without_model, "target.model")])
+def test_training_inputs_are_checked_once_before_any_rank_starts(tmp_path: Path, make: Callable[[Path], None],
+                                                                 key: str) -> None:
+    """``check_data_inputs`` is what a launcher runs before starting ranks that would each fail."""
+    from dflash.core.config import load_config
+    from dflash.core.errors import ConfigError
+    from dflash.data.preflight import check_data_inputs
+
+    make(tmp_path)
+    cfg = load_config(next(tmp_path.glob("*.toml")))
+    with pytest.raises(ConfigError) as err:
+        check_data_inputs(cfg.workload, cfg.target.model)
+    assert err.value.key == key

@@ -147,6 +147,18 @@ def check_out_path(flag: str, value: str, kind: str, shown: str | None = None) -
         raise ConfigError(flag, f"cannot be created: {parent} is not writable", got)
 
 
+def check_storage_flag(url: str, flag: str = "--storage") -> None:
+    """An Optuna storage URL is usable before any work: a file storage (journal path or
+    ``sqlite:///PATH``) is a writable output path, and :func:`tuning.study.check_storage` accepts it
+    (the right kind of file, or a PostgreSQL server that answers)."""
+    from tuning.study import check_storage, storage_file
+
+    path = storage_file(url)
+    if path is not None and "://" not in url.removeprefix("sqlite:///"):
+        check_out_path(flag, str(path), "outfile", shown=url)
+    check_storage(url)
+
+
 def config_value(opt: Opt, value: Any) -> Any:
     if opt.kind == "devices":
         return tuple(d.strip() for d in value.split(","))

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from dflash.cli.options import CALIBRATION, Opt, Verb
+from dflash.cli.options import CALIBRATION, Opt, Verb, check_storage_flag
 from dflash.core.config import DflashConfig
 
 
@@ -28,16 +28,9 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
 
 
 def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
-    """The storage is reachable and, if new, creatable before any work (a file URL is an output path)."""
-    if not args.storage:
-        return
-    from dflash.cli.options import check_out_path
-    from tuning.study import check_storage, storage_file
-
-    path = storage_file(args.storage)
-    if path is not None and "://" not in args.storage.removeprefix("sqlite:///"):
-        check_out_path("--storage", str(path), "outfile", shown=args.storage)
-    check_storage(args.storage)
+    """The storage is reachable and, if new, creatable before any work."""
+    if args.storage:
+        check_storage_flag(args.storage)
 
 
 VERB = Verb("Optuna study over the simulator", queue_flags=True, check=_check, opts=(

@@ -1,0 +1,25 @@
+"""Checks a verb runs on its data inputs before it starts any work (or any process).
+
+Training starts one process per rank, and each rank loads the data set and the target itself; a
+data set with no usable conversation or a model directory without a model would then fail inside
+every rank. :func:`check_data_inputs` reads the same inputs the same way in the launching process,
+so such input is one line (a :class:`~dflash.core.errors.ConfigError`) before anything starts.
+"""
+
+from __future__ import annotations
+
+from dflash.core.config import WorkloadConfig
+from dflash.data.conversations import ParseStats, load_conversations, resolve_dataset
+from dflash.data.lengths import resolve_model
+
+
+def check_data_inputs(workload: WorkloadConfig, model: str) -> ParseStats:
+    """Resolve the target model's path and parse the data set once; returns the parse statistics.
+
+    Raises ConfigError naming ``target.model`` (a file that is no model, a directory with no model
+    files) or ``workload.dataset`` (missing, unreadable, no usable conversation); damaged records
+    are counted and their number printed on stderr by :func:`load_conversations`.
+    """
+    resolve_model(model)
+    _, stats = load_conversations(resolve_dataset(workload.dataset), workload.sample, workload.max_conversations)
+    return stats
