@@ -1,7 +1,7 @@
 """The ack ledger: the item ids trained in each optimizer step, committed by one writer (the coordinator).
 
-One JSON line per step (``{"step": s, "item_ids": [...]}``), flushed and fsynced before the step's
-checkpoint may be written, so a checkpoint is valid only together with its ledger step. On resume the
+One JSON line per step (``{"step": s, "item_ids": [...]}``), flushed at once and fsynced before a
+checkpoint of that step is written, so a checkpoint is valid only together with its ledger step. On resume the
 ledger is cut back to the checkpoint's step; the ids it acknowledges are never produced again, and
 everything else drawn before the kill (queued, in flight, assigned) is produced again.
 """
@@ -31,9 +31,12 @@ class Ledger:
         if self._f is None:
             self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._f.write(json.dumps({"step": step, "item_ids": list(item_ids)}, separators=(",", ":")) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        self._f.flush()  # durable at the next sync(): before the checkpoint of this step is written
         self.last_step = step
+
+    def sync(self) -> None:
+        if self._f is not None:
+            os.fsync(self._f.fileno())
 
     def close(self) -> None:
         if self._f is not None:

@@ -260,6 +260,7 @@ class CoordinatorService:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ledger step {step} not committed within {timeout} s (a drafter rank hangs)")
                 self._lock.wait(0.5)
+            self.ledger.sync()
             return {"t": self.now(), "feed": self.feed.state(), "queue_core": self.coord.core.state_dict(),
                     "queue_config": dict(self.cfg.queue.__dict__), "control_serial": self.control.serial,
                     "ledger_step": step,

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from dflash.pipeline.roles import DATA_GLOO, DATA_HOST, DATA_NCCL
 
+POOL_BUFFERS = 4  # receive buffers kept for reuse
+ALIGN = 64  # byte alignment of each tensor inside a receive buffer
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)}
 
 
@@ -49,6 +51,21 @@ def nbytes(metas: tuple[TensorMeta, ...]) -> int:
     return sum(torch.Size(m.shape).numel() * DTYPES[m.dtype].itemsize for m in metas)
 
 
+@dataclass
+class PendingSend:
+    """A posted send: its works and the tensors they read (kept alive until the send completes)."""
+
+    works: list[Any]
+    tensors: tuple[torch.Tensor, ...]
+    t0: float
+
+    def wait(self) -> float:
+        for w in self.works:
+            w.wait()
+        self.tensors = ()
+        return time.perf_counter() - self.t0
+
+
 class Transport:
     """Send / receive one item's tensors in round ``r`` with its peer."""
 
@@ -58,25 +75,58 @@ class Transport:
         self.device = device
         self.group = group
         self.wire = torch.device("cpu") if self.kind in (DATA_GLOO, DATA_HOST) else device
+        self._free: list[torch.Tensor] = []  # receive buffers handed back, reused by size
+        self._lent: dict[int, torch.Tensor] = {}  # id of a receive's first view -> its buffer
 
-    def send(self, tensors: tuple[torch.Tensor, ...], dst: int, rnd: int) -> float:
-        """Blocking send of round ``rnd``; returns seconds spent."""
+    def post_send(self, tensors: tuple[torch.Tensor, ...], dst: int, rnd: int) -> PendingSend:
+        """Post this rank's part of round ``rnd`` (returns at once); the tensors live until ``wait`` returns."""
         t0 = time.perf_counter()
         wire = tuple(t.to(self.wire).contiguous() for t in tensors)
         ops = [dist.P2POp(dist.isend, t, dst, group=self.group, tag=rnd % (1 << 30)) for t in wire]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        return time.perf_counter() - t0
+        return PendingSend(dist.batch_isend_irecv(ops), wire, t0)
+
+    def send(self, tensors: tuple[torch.Tensor, ...], dst: int, rnd: int) -> float:
+        """Blocking send of round ``rnd``; returns seconds spent."""
+        return self.post_send(tensors, dst, rnd).wait()
 
     def recv(self, metas: tuple[TensorMeta, ...], src: int, rnd: int) -> tuple[tuple[torch.Tensor, ...], float]:
-        """Blocking receive of round ``rnd`` into fresh tensors on this rank's device; returns them and seconds."""
+        """Blocking receive of round ``rnd`` on this rank's device; returns the tensors and seconds.
+
+        The tensors are views of one buffer; hand them back with :meth:`release` when done (the next
+        receive reuses the buffer instead of faulting in fresh pages, which costs as much as the copy).
+        """
         t0 = time.perf_counter()
-        bufs = tuple(torch.empty(m.shape, dtype=DTYPES[m.dtype], device=self.wire) for m in metas)
+        bufs = self._views(metas)
         ops = [dist.P2POp(dist.irecv, b, src, group=self.group, tag=rnd % (1 << 30)) for b in bufs]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         out = tuple(b.to(self.device, non_blocking=False) for b in bufs)
         return out, time.perf_counter() - t0
+
+    def release(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """The caller no longer uses these received tensors: their buffer may be reused."""
+        flat = self._lent.pop(id(tensors[0]), None) if tensors else None
+        if flat is not None and len(self._free) < POOL_BUFFERS:
+            self._free.append(flat)
+
+    def _views(self, metas: tuple[TensorMeta, ...]) -> tuple[torch.Tensor, ...]:
+        sizes = [torch.Size(m.shape).numel() * DTYPES[m.dtype].itemsize for m in metas]
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total += -(-size // ALIGN) * ALIGN
+        flat = next((b for b in self._free if b.numel() >= total), None)
+        if flat is None:
+            flat = torch.empty(max(total, 1), dtype=torch.uint8, device=self.wire)
+        else:
+            self._free.remove(flat)
+        views = tuple(flat[o:o + n].view(DTYPES[m.dtype]).view(m.shape)
+                      for o, n, m in zip(offsets, sizes, metas, strict=True))
+        if views:
+            self._lent[id(views[0])] = flat
+            while len(self._lent) > POOL_BUFFERS:  # never released: forget the oldest (it is simply freed)
+                self._lent.pop(next(iter(self._lent)))
+        return views
 
 
 class GlooTransport(Transport):

@@ -84,7 +84,7 @@ class Producer:
         self.held: dict[str, tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
         self._replies: queue.Queue[dict[str, Any] | BaseException] = queue.Queue()
-        self._sends: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._sends: queue.Queue[tuple[Any, tuple[torch.Tensor, ...]] | None] = queue.Queue()
         self.send_s = 0.0
         self.sent_bytes = 0
         self.errors: list[BaseException] = []
@@ -132,8 +132,11 @@ class Producer:
         try:
             while True:
                 msg = self.ch.recv(None)
-                if msg["op"] == "send":
-                    self._sends.put(msg)
+                if msg["op"] == "send":  # post this rank's part of the round at once; the sender thread waits
+                    with self._lock:
+                        tensors = self.held.pop(msg["item_id"])
+                    self.status(f"sending item {msg['item_id']} to rank {msg['dst']} in round {msg['round']}")
+                    self._sends.put((self.transport.post_send(tensors, msg["dst"], msg["round"]), tensors))
                 else:
                     self._replies.put(msg)
                     if msg["op"] == "stop":
@@ -143,13 +146,11 @@ class Producer:
             self._sends.put(None)
 
     def _send_loop(self) -> None:
-        """This rank's part of each round, in increasing round order (the order the coordinator assigned)."""
+        """Waits for this rank's posted sends, in increasing round order (the order the coordinator assigned)."""
         try:
-            while (msg := self._sends.get()) is not None:
-                with self._lock:
-                    tensors = self.held.pop(msg["item_id"])
-                self.status(f"sending item {msg['item_id']} to rank {msg['dst']} in round {msg['round']}")
-                self.send_s += self.transport.send(tensors, msg["dst"], msg["round"])
+            while (got := self._sends.get()) is not None:
+                pending, tensors = got
+                self.send_s += pending.wait()
                 self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
         except BaseException as exc:  # surfaced by run()
             self.errors.append(exc)
@@ -238,6 +239,8 @@ class DrafterWorker:
             res.anchors += int(out.anchors)
             res.n_items += 1
             res.real_tokens += int(attention_mask.sum())
+            del out, hidden, input_ids, attention_mask, loss_mask
+            self.transport.release(tensors)  # the backward is done: the buffer may take the next item
         res.stages["transfer_s"] = take["transfer_s"]
         res.stages["drafter_compute_s"] = take["compute_s"]
         return take
