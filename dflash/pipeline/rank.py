@@ -132,6 +132,8 @@ class RankRun:
                                 timeout=datetime.timedelta(seconds=self.spec.pg_timeout_s))
         try:
             self.drafter_group = dist.new_group(self.roles.drafter_ranks)
+            if self.plane == DATA_NCCL:  # NCCL point-to-point: the world's first NCCL call must involve every rank
+                dist.all_reduce(torch.zeros(1, device=self.device))
             if self.roles.is_coordinator and self.plane == "host":
                 self.progress("one GPU is shared by this node's ranks: hidden states go through host memory (gloo)")
             self._load()
@@ -153,8 +155,9 @@ class RankRun:
         from dflash.pipeline.trainer import TrainingData
 
         self.status("loading the target and the data")
-        where = self.device if self.roles.is_target else "cpu"
-        self.target = load_target(self.cfg.target.model, device=where)
+        where = self.device if self.roles.is_target else "cpu"  # a drafter rank needs only its embedding/LM head
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        self.target = load_target(self.cfg.target.model, device=where, dtype=dtype)
         self.layer_ids = capture_layer_ids(self.target.num_layers, self.cfg.target.capture_layers)
         self.data = TrainingData(self.cfg, self.target.tokenizer)
         self.sampler = self.data.sampler

@@ -73,6 +73,11 @@ class Status:
             pass
 
 
+def _use_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 # ====================================================================== producer
 class Producer:
     """A target rank's loop; ``make(spec)`` computes an item's tensors."""
@@ -129,6 +134,7 @@ class Producer:
         return got
 
     def _read(self) -> None:
+        _use_device(self.transport.device)  # CUDA's current device is per thread (NCCL sends from here)
         try:
             while True:
                 msg = self.ch.recv(None)
@@ -147,6 +153,7 @@ class Producer:
 
     def _send_loop(self) -> None:
         """Waits for this rank's posted sends, in increasing round order (the order the coordinator assigned)."""
+        _use_device(self.transport.device)
         try:
             while (got := self._sends.get()) is not None:
                 pending, tensors = got
