@@ -241,3 +241,28 @@ def test_no_feasible_configuration_is_exit_2_without_a_selection(tmp_path: Path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no feasible configuration among 3" in err and "starved in 3" in err
     assert not (out / "selection.json").exists() and (out / "trials.parquet").is_file()
+
+
+def test_a_worker_whose_trial_was_taken_over_as_stale_keeps_going(tmp_path: Path) -> None:
+    """Another worker failed our running trial as stale (a long pause, a slow network) and queued it
+    again: our late result is dropped without an error, and the re-queued copy is what counts."""
+    from tuning.study import run_worker
+
+    study = optuna.create_study(storage=open_storage(str(tmp_path / "s.journal")), study_name="s")
+    url = str(tmp_path / "s.journal")
+
+    def propose(trial: optuna.Trial) -> tuple[str, int]:
+        x = trial.suggest_int("x", 0, 1000)
+        return str(x), x
+
+    def objective(trial: optuna.Trial, x: int) -> tuple[list[float], dict[str, float]]:
+        if trial.number == 0:  # what the other worker does meanwhile
+            study.tell(trial.number, state=TrialState.FAIL)
+            study.enqueue_trial(trial.params, user_attrs={"requeued_from": trial.number})
+        return [float(x)], {}
+
+    assert run_worker(study, url, 3, propose, objective) == 3
+    trials = study.get_trials(deepcopy=False)
+    assert trials[0].state == TrialState.FAIL and trials[1].user_attrs["requeued_from"] == 0
+    assert trials[1].params == trials[0].params and trials[1].state == TrialState.COMPLETE
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 3

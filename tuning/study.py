@@ -375,22 +375,25 @@ def _claim(study: optuna.Study, live: list[optuna.trial.FrozenTrial], propose: P
 
 
 def _run_one(study: optuna.Study, trial: optuna.Trial, config: Any, objective: Objective) -> bool:
-    """Run one claimed trial and tell its result; True when it completed."""
+    """Run one claimed trial and tell its result; True when it completed.
+
+    ``skip_if_finished``: a trial another worker failed as stale meanwhile (and queued again) keeps
+    that state; this worker's result is dropped and the re-queued copy runs instead.
+    """
     try:
         with Heartbeat(trial):
             values, constraints = objective(trial, config)
         for name, value in constraints.items():
             trial.set_constraint(name, value)
         if not all(math.isfinite(v) for v in values):
-            study.tell(trial, state=TrialState.FAIL)
+            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
             return False
-        study.tell(trial, values)
-        return True
+        return study.tell(trial, values, skip_if_finished=True).state == TrialState.COMPLETE
     except optuna.TrialPruned:
-        study.tell(trial, state=TrialState.PRUNED)
+        study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
         return False
     except Exception:
-        study.tell(trial, state=TrialState.FAIL)
+        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
         raise
 
 
