@@ -9,6 +9,7 @@ the study with the dead trials re-run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -131,23 +133,43 @@ def _open_at_once(cfg_path: str, storage: str, study: str, barrier: mp.synchroni
         results.put(f"{type(exc).__name__}: {exc}")
 
 
+@contextlib.contextmanager
+def fresh_postgres_database(url: str) -> Iterator[str]:
+    """A new, empty database on the test server (no Optuna tables yet), dropped afterwards."""
+    import psycopg2
+
+    from tuning.study import libpq_dsn
+
+    name = f"dflash_race_{os.getpid()}_{time.time_ns() % 10**9}"
+    admin = psycopg2.connect(libpq_dsn(url))
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(f"CREATE DATABASE {name}")
+    try:
+        yield url.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with admin.cursor() as cur:
+            cur.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+
+
 @pytest.mark.parametrize("backend", ["journal", "sqlite", pytest.param("postgresql", marks=pytest.mark.skipif(
     not PG_URL, reason="needs DFLASH_TEST_POSTGRES_URL (.ci/run starts PostgreSQL and sets it)"))])
 def test_starters_racing_on_a_new_storage_all_succeed_with_their_own_streams(tmp_path: Path, backend: str) -> None:
     """Four processes released by one barrier create the storage, its schema and the study at once
-    (PostgreSQL: a new study in the shared database), and each gets a stream of its own."""
-    storage = {"journal": str(tmp_path / "new" / "s.journal"), "sqlite": f"sqlite:///{tmp_path / 'new' / 's.db'}",
-               "postgresql": PG_URL or ""}[backend]
-    study = f"race-{os.getpid()}-{time.time_ns()}"
+    (PostgreSQL: in a database created empty for the test), and each gets a stream of its own."""
     cfg = write_cfg(tmp_path)
-    ctx = mp.get_context("fork")
-    barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_open_at_once, args=(str(cfg), storage, study, barrier, results)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(30)
+    with (fresh_postgres_database(PG_URL) if backend == "postgresql" else contextlib.nullcontext("")) as pg:
+        storage = {"journal": str(tmp_path / "new" / "s.journal"), "sqlite": f"sqlite:///{tmp_path / 'new' / 's.db'}",
+                   "postgresql": pg}[backend]
+        ctx = mp.get_context("fork")
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_open_at_once, args=(str(cfg), storage, "s", barrier, results)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
     assert sorted(got, key=str) == [0, 1, 2, 3], got
 
 
