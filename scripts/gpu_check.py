@@ -36,7 +36,7 @@ ARCHS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2),
 }
-SPECIAL = ["<unk>", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+SPECIAL = ["<unk>", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>", "<|mask|>"]
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
             "{% if add_generation_prompt %}<|assistant|> {% endif %}")
 
@@ -51,7 +51,7 @@ def build_assets(d: Path, arch: str, vocab: int, n_convs: int, max_len: int) -> 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="<|end|>")
+                                   eos_token="<|end|>", mask_token="<|mask|>")
     fast.chat_template = TEMPLATE
     model_dir = d / "model"
     cfg = LlamaConfig(**ARCHS[arch], vocab_size=vocab, max_position_embeddings=max(4096, max_len),
