@@ -50,7 +50,8 @@ def sweep_cfg(d: Path, extra: str = "") -> None:
 def damaged_run(d: Path) -> None:
     """A run directory whose config.json was cut short (a drafter in it so eval gets that far)."""
     (d / "run" / "drafter").mkdir(parents=True)
-    (d / "run" / "drafter" / "drafter_config.json").write_text("{}")
+    (d / "run" / "drafter" / "drafter_config.json").write_text('{"spec": {}}')
+    (d / "run" / "drafter" / "drafter.safetensors").write_bytes(b"")
     (d / "run" / "checkpoint").mkdir()
     (d / "run" / "checkpoint" / "meta.json").write_text('{"step": 1}')
     (d / "run" / "config.json").write_text('{"workload": {"max_len": 5')
@@ -60,6 +61,19 @@ def run_with_config(content: str) -> Callable[[Path], None]:
     def make(d: Path) -> None:
         damaged_run(d)
         (d / "run" / "config.json").write_text(content)
+
+    return make
+
+
+def drafter_with(name: str, content: str | None) -> Callable[[Path], None]:
+    """A run whose drafter directory has ``name`` replaced by ``content`` (None: the file is missing)."""
+    def make(d: Path) -> None:
+        damaged_run(d)
+        (d / "run" / "config.json").write_text("{}")
+        f = d / "run" / "drafter" / name
+        f.unlink()
+        if content is not None:
+            f.write_text(content)
 
     return make
 
@@ -132,6 +146,12 @@ CASES = [
      ["RUN_DIR", "JSON object"]),
     ("eval on a run whose config.json has a bad value", run_with_config('{"queue": {"min_ready": 0}}'),
      ["eval", "--drafter", "run"], ["RUN_DIR", "queue.min_ready"]),
+    ("eval on a drafter whose config is not JSON", drafter_with("drafter_config.json", "{garbage"),
+     ["eval", "--drafter", "run"], ["--drafter", "cannot be read as JSON"]),
+    ("eval on a drafter whose config has no spec", drafter_with("drafter_config.json", '{"dtype": "float32"}'),
+     ["eval", "--drafter", "run/drafter"], ["--drafter", "spec"]),
+    ("eval on a drafter without weights", drafter_with("drafter.safetensors", None), ["eval", "--drafter", "run"],
+     ["--drafter", "drafter.safetensors"]),
     ("train --resume a run with a cut config.json", damaged_run, ["train", "--resume", "run"], ["RUN_DIR"]),
     ("lengths of an empty data file", empty_data, ["lengths", "--config", "data.toml"],
      ["workload.dataset", "no usable"]),

@@ -6,9 +6,8 @@ import argparse
 from pathlib import Path
 
 from dflash.cli.options import Opt, Verb
-from dflash.cli.runs import load_run_config, trained_conversation_ids
+from dflash.cli.runs import drafter_dirs, load_run_config, trained_conversation_ids
 from dflash.core.config import DflashConfig
-from dflash.core.errors import ConfigError
 
 
 def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
@@ -18,15 +17,10 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     from dflash.core.atomic import atomic_write_text
     from dflash.core.records import clean_json
     from dflash.model.acceptance import evaluate_acceptance, heldout_prompts
-    from dflash.model.drafter import CONFIG_FILE, DFlashDrafter
+    from dflash.model.drafter import DFlashDrafter
     from dflash.model.target import load_target
 
-    drafter_dir = Path(args.drafter)
-    run_dir = drafter_dir if (drafter_dir / "drafter").is_dir() else drafter_dir.parent
-    if (drafter_dir / "drafter").is_dir():
-        drafter_dir = drafter_dir / "drafter"
-    if not (drafter_dir / CONFIG_FILE).is_file():
-        raise ConfigError("--drafter", "must be a drafter directory (or a run directory holding one)", args.drafter)
+    run_dir, drafter_dir = drafter_dirs(Path(args.drafter))
     run_cfg = load_run_config(run_dir) if (run_dir / "config.json").is_file() else cfg
     target = load_target(run_cfg.target.model, device=run_cfg.target.devices[0])
     drafter = DFlashDrafter.load(drafter_dir, target.model)
