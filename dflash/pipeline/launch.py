@@ -63,11 +63,11 @@ def launch(spec: RunSpec, nproc_per_node: int | None = None) -> int:
             f.unlink(missing_ok=True)
         return rank_main(spec)
     shutil.rmtree(ranks_dir, ignore_errors=True)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    _quiet_launcher_logs()
     os.environ[LAUNCHED_BY_DFLASH] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // n)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, rdzv_backend="c10d",
@@ -79,7 +79,32 @@ def launch(spec: RunSpec, nproc_per_node: int | None = None) -> int:
         line, config_error = _failure_line(exc, ranks_dir)
         print(f"dflash train: error: {line}", file=sys.stderr)
         return 2 if config_error else 1
+    except SignalException as exc:  # SIGTERM/SIGINT to this process: the ranks stop after their step
+        if _stopped_cleanly(Path(spec.out)):
+            print(f"stopped by signal {exc.sigval.name}: every rank stopped after its step with a checkpoint; "
+                  f"continue with dflash train --resume {spec.out}")
+            return 0
+        print(f"dflash train: error: stopped by signal {exc.sigval.name} before the ranks could checkpoint",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _quiet_launcher_logs() -> None:
+    """The launcher's own log lines (and tracebacks) are not shown: the ranks' one-line errors are."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(_QUIET_LOGGERS):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _stopped_cleanly(run: Path) -> bool:
+    try:
+        lines = (run / "summary.jsonl").read_text().splitlines()
+        return bool(lines) and str(json.loads(lines[-1]).get("stopped_by", "")).startswith("signal")
+    except (OSError, ValueError):
+        return False
 
 
 def _failure_line(exc: Any, ranks_dir: Path) -> tuple[str, bool]:

@@ -83,17 +83,28 @@ def rank_main(spec: RunSpec) -> int:
     status = Status(out / RANKS_DIR / f"rank-{rank}.status", rank)
     try:
         roles = roles_from_env(spec.cfg)
-        return RankRun(spec, roles, status).run()
+        rr = RankRun(spec, roles, status)
+        code = rr.run()
     except BaseException as exc:
-        role = "target" if rank < spec.cfg.cluster.n_target else "drafter"
-        what = exc.line() if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-        line = " ".join(f"rank {rank} ({role}, pid {os.getpid()}): {what}".split())
-        (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": time.time(), "line": line,
-                                                                          "config": isinstance(exc, ConfigError)}))
-        status(f"failed: {what}")
-        if not os.environ.get(LAUNCHED_BY_DFLASH):  # under torchrun nobody else prints it
-            print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
+        _report_failure(out, rank, spec, status, exc)
         raise SystemExit(2 if isinstance(exc, ConfigError) else 1) from None
+    if rr.signal is not None:  # the launcher is shutting down and waits for this process: leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: BaseException) -> None:
+    """One line for the launcher (the rank's .error file) and, under torchrun, on stderr."""
+    role = "target" if rank < spec.cfg.cluster.n_target else "drafter"
+    what = exc.line() if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+    line = " ".join(f"rank {rank} ({role}, pid {os.getpid()}): {what}".split())
+    (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": time.time(), "line": line,
+                                                                      "config": isinstance(exc, ConfigError)}))
+    status(f"failed: {what}")
+    if not os.environ.get(LAUNCHED_BY_DFLASH):  # under torchrun nobody else prints it
+        print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
 
 
 def _die_with_parent() -> None:
