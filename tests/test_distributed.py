@@ -207,3 +207,25 @@ def test_two_ddp_drafter_ranks_equal_one_process_on_the_union(tmp_path: Path, ru
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
     moved = states["ddp"]["optimizer"]["state"]
     assert moved and all(int(s["step"]) == sum(1 for c in counted if c > 0) for s in moved.values())
+
+
+def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_run_resumes(tmp_path: Path, run_inputs) -> None:  # noqa: F811
+    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=10_000, checkpoint_every=1000)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--out", str(run),
+                             "--n-drafter", "2", "--wandb", "disabled"], cwd=ROOT, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.time() + JOB_TIMEOUT_S
+        while time.time() < deadline and len(read_ledger(run)) < 6:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and "stopped by signal SIGTERM" in out and not err, err
+    s = assert_books_balance(run, 1, 2)
+    assert s["stopped_by"] == "signal SIGTERM"
+    last = sorted((run / "checkpoint").glob("step-*"))[-1]
+    assert last.name == f"step-{s['steps'] - 1:08d}"  # checkpointed at the step it stopped after
