@@ -67,6 +67,9 @@ def test_a_run_to_max_steps_accounts_for_every_item(tmp_path: Path, target, conv
     taken = [i for r in takes for i in r["item_ids"]]
     assert len(taken) == len(set(taken)) and set(taken) <= {r["item_id"] for r in produce}
     assert next(read_records(tmp_path, "summary"))["produced"] == s["produced"]
+    # the books balance to the item: every discarded item listed, every produced item recorded
+    assert len(s["discarded_ids"]) == s["discarded_at_stop"] and len(produce) == s["produced"]
+    assert set(taken) | set(s["discarded_ids"]) == {r["item_id"] for r in produce}
     for key in ("throughput_tokens_per_s", "mix_efficiency", "drafter_utilization", "mean_queue_depth"):
         assert key in res.metrics
     assert (tmp_path / "take.parquet").exists() and (tmp_path / "metrics.json").exists()

@@ -169,6 +169,7 @@ class Trainer:
             (self.out / "config.json").write_text(json.dumps(clean_json(cfg.to_dict()), indent=1, default=str))
         self._stop_signal: str | None = None
         self._errors: list[BaseException] = []
+        self._refused_ids: list[str] = []  # finished by a producer after the stop: produced and discarded
         self._stage_totals: dict[str, list[float]] = {}  # name -> [sum, n] over the run
         self._step_stages: dict[str, float] = {}  # this step's stage times (summed over items, drafters)
         self.stages = StageTimer()  # per logging interval: mean and p95 of every stage, both roles
@@ -287,13 +288,15 @@ class Trainer:
                 t_put = time.perf_counter()
                 blocked = self.queue.put(item, worker=worker, timeout=QUEUE_WAIT_S)
                 self.stages.add("enqueue", time.perf_counter() - t_put)
-                if blocked is None:  # the run stopped: the item is counted as discarded
-                    return
                 with self._records_lock:
                     self.records.write("produce", t=t_end, item_id=spec.item_id, worker=worker,
                                        bucket=spec.bucket, n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
                                        padded_len=spec.padded_len, t_start=t_start, t_end=t_end,
-                                       blocked_s=blocked, bytes=item.nbytes)
+                                       blocked_s=blocked if blocked is not None else self.queue.now() - t_end,
+                                       bytes=item.nbytes, rank=0, pid=os.getpid())
+                if blocked is None:  # the run stopped: produced (recorded above), discarded, listed
+                    self._refused_ids.append(spec.item_id)
+                    return
         except BaseException as exc:  # surfaced by the drafter loop
             self._errors.append(exc)
             self.queue.stop()
@@ -489,7 +492,7 @@ class Trainer:
                    "discarded_at_stop": stats["discarded_at_stop"],
                    "replayed": self.before.get("replayed", 0) + self.feed.replayed, "steps": step,
                    "stopped_by": stopped_by, "wall_s": time.perf_counter() - wall0,
-                   "discarded_ids": [i.item_id for i in discarded], "queue_stats": stats,
+                   "discarded_ids": [i.item_id for i in discarded] + self._refused_ids, "queue_stats": stats,
                    "stage_means_s": {k: tot / n for k, (tot, n) in self._stage_totals.items() if n}}
         with self._records_lock:
             self.records.write("summary", t=close_t, **summary)
