@@ -110,8 +110,10 @@ def resolve_model(model: str) -> tuple[Path | None, Path]:
     if p.is_file():
         raise ConfigError("target.model", "must be 'smollm2', a directory, a hub id or a .gguf path", model)
     if p.is_dir() and not any((p / name).is_file() for name in MODEL_DIR_FILES):
+        gguf = sorted(p.glob("*.gguf"))
+        hint = f"; to use {gguf[0].name}, give that file's path" if gguf else ""
         raise ConfigError("target.model", f"is a directory with no model in it (none of {', '.join(MODEL_DIR_FILES)}; "
-                          "expected a transformers checkpoint directory)", model)
+                          f"expected a transformers checkpoint directory{hint})", model)
     return None, p
 
 
