@@ -34,11 +34,13 @@ def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
 
 
 VERB = Verb("Optuna study over the simulator", queue_flags=True, check=_check, opts=(
-        Opt("--trials", "int", "complete trials in the study, all workers together (>= 1)", lo=1,
-            metavar="N"),
-        Opt("--storage", "str", "Optuna storage URL (default: a local storage)", metavar="URL"),
+        Opt("--trials", "int", "complete trials of distinct configurations in the study, all workers and "
+            "restarts together (>= 1; fewer if the space holds fewer)", lo=1, metavar="N"),
+        Opt("--storage", "str", "journal file path, sqlite:///FILE or postgresql://URL (default: OUT/study.journal)",
+            metavar="URL"),
         Opt("--study", "str", "study name", metavar="NAME"),
-        Opt("--workers", "int", "worker processes (>= 1)", lo=1, metavar="N"),
+        Opt("--workers", "int", "worker processes on this machine, each with its own sampler stream (>= 1)", lo=1,
+            metavar="N"),
         Opt("--grid", "switch", "grid search instead of the configured sampler", key="sweep.sampler",
             value="grid"),
         CALIBRATION,
