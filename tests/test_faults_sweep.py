@@ -96,6 +96,9 @@ def test_two_workers_then_a_restart_run_only_distinct_configurations(tmp_path: P
     pids = {study.user_attrs[f"sampler_stream_{k}"]["pid"] for k in range(3)}
     assert len(pids) == 3
     assert len({t.user_attrs["worker_pid"] for t in trials if t.state == TrialState.COMPLETE}) == 3
+    tuned = [c["queue"] for c in json.loads((out / "selection.json").read_text())["configs"]
+             if c["name"].startswith("tuned-")]
+    assert len(tuned) == 3 and len({json.dumps(q, sort_keys=True) for q in tuned}) == 3  # no tuned-1 == tuned-2
 
 
 def test_one_worker_without_restart_is_bit_reproducible_from_the_seed(tmp_path: Path) -> None:
