@@ -49,7 +49,8 @@ class DrafterLoop:
                 info["step_s"] = time.perf_counter() - ts
                 self._add_stages(res.stages)
                 rr.channel.send({"op": "done", "step": step, "pid": os.getpid(), "takes": res.takes,
-                                 "stages": res.stages, "step_info": info if self.host else None})
+                                 "stages": res.stages, "step_info": info if self.host else None,
+                                 "gpu": rr.gpu_samples()})
                 if self.host:
                     self.losses.append(info["loss"])
                     interval_tokens += info["tokens"]
@@ -98,7 +99,7 @@ class DrafterLoop:
                    **{f"hs_depth/bucket_{i}": d for i, d in enumerate(q["bucket_depths"])},
                    **{f"resident_bytes/rank_{r}": b for r, b in enumerate(q["resident_bytes_per_producer"])},
                    **{f"stage/{k.removesuffix('_s')}_mean": tot / n for k, (tot, n) in self.stage_totals.items()
-                      if n}}
+                      if n}, **self.rr.service.last_telemetry}
         if wb is not None:
             wb.log(metrics, step=step)
         loss_txt = f"{loss:.4f}" if math.isfinite(loss) else "n/a (no anchors)"

@@ -124,6 +124,7 @@ class RankRun:
         self.spec, self.cfg, self.roles, self.status = spec, spec.cfg, roles, status
         self.out = Path(spec.out)
         self.signal: str | None = None
+        self._gpus: Any = None
         self.progress = (lambda _m: None) if spec.quiet or not roles.is_coordinator else \
             (lambda m: print(m, flush=True))
 
@@ -221,6 +222,17 @@ class RankRun:
         return {"host": _reachable_address(), "port": self.service.hub.port, "start_step": start_step,
                 "run_id": run_id, "checkpoint": None if ckpt is None else str(ckpt)}
 
+    def gpu_samples(self) -> list[dict[str, Any]]:
+        """This rank's GPU, sampled through NVML since the last call (empty on the CPU or without NVML)."""
+        if self.device.type != "cuda":
+            return []
+        if self._gpus is None:
+            from dflash.pipeline.telemetry import NvmlSampler
+
+            warn = self.progress if self.roles.is_coordinator else (lambda _m: None)
+            self._gpus = NvmlSampler(5.0, indices=[self.device.index or 0], warn=warn).start()
+        return self._gpus.drain()
+
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: Any) -> None:
             self.signal = f"signal {signal.Signals(signum).name}"
@@ -237,7 +249,7 @@ class RankRun:
             return capture_item(self.data, self.target, self.capture, spec, self.device, self.state_dtype)
 
         Producer(self.channel, transport, make, self.sampler.item, check=self.spec.check_transfers,
-                 status=self.status).run()
+                 status=self.status, gpu=self.gpu_samples).run()
         self.status("finished")
 
     # ------------------------------------------------------------------ drafter

@@ -13,6 +13,7 @@ to reach the checkpoint's step.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,36 @@ class ResumeState:
     counts: dict[str, int] = dataclasses.field(default_factory=lambda: {"trained": 0, "replayed": 0})
     control_serial: int = 0
     queue_config: dict[str, Any] | None = None  # the queue as it was at the checkpoint (live changes kept)
+
+
+class RankTelemetry:
+    """Each rank's stage timings and GPU samples over a logging interval (``rank/<r>/...`` names)."""
+
+    def __init__(self) -> None:
+        self._stages: dict[int, dict[str, list[float]]] = {}
+        self._gpu: dict[int, list[dict[str, Any]]] = {}
+
+    def add(self, rank: int, stages: dict[str, float], gpu: list[dict[str, Any]] | None) -> None:
+        per = self._stages.setdefault(rank, {})
+        for k, v in stages.items():
+            acc = per.setdefault(k, [0.0, 0])
+            acc[0] += v
+            acc[1] += 1
+        if gpu:
+            self._gpu.setdefault(rank, []).extend(gpu)
+
+    def interval(self) -> dict[str, float]:
+        from dflash.pipeline.telemetry import gpu_metrics
+
+        out: dict[str, float] = {}
+        for rank, per in sorted(self._stages.items()):
+            for k, (tot, n) in per.items():
+                out[f"rank/{rank}/stage/{k.removesuffix('_s')}_mean"] = tot / n if n else math.nan
+        for rank, samples in sorted(self._gpu.items()):
+            out.update({f"rank/{rank}/{k}": v for k, v in gpu_metrics(samples).items()})
+        self._stages.clear()
+        self._gpu.clear()
+        return out
 
 
 class CoordinatorService:
@@ -83,6 +114,8 @@ class CoordinatorService:
         self._last_control_poll = 0.0
         self.producer_blocked_s = 0.0
         self.drafter_wait_s = 0.0
+        self.telemetry = RankTelemetry()
+        self.last_telemetry: dict[str, float] = {}  # the latest logging interval's per-rank values (W&B)
 
     # ------------------------------------------------------------------ lifecycle
     def now(self) -> float:
@@ -144,6 +177,7 @@ class CoordinatorService:
         item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len, msg["nbytes"],
                          payload=msg["meta"])
         self._items[spec.item_id] = {**msg, "t_end": t, "t_start": t - msg["compute_s"], "rank": rank}
+        self.telemetry.add(rank, {"target_forward_s": msg["compute_s"]}, msg.get("gpu"))
         if self.coord.stopped:
             self.hub.send(rank, {"op": "stop"})
             return
@@ -222,8 +256,13 @@ class CoordinatorService:
                                                            "anchors", "counted_tokens")})
         info = done[0]["step_info"]
         per_rank = {str(self.roles.n_target + d): done[d]["stages"] for d in sorted(done)}
+        for d in sorted(done):
+            self.telemetry.add(self.roles.n_target + d, done[d]["stages"], done[d].get("gpu"))
+        telemetry = None
+        if (step + 1) % self.cfg.train.log_every == 0:
+            telemetry = self.last_telemetry = self.telemetry.interval()
         self.records.write("step", t=t, step=step, **info, stages=done[0]["stages"], rank_stages=per_rank,
-                           queue=self.coord.state())
+                           queue=self.coord.state(), telemetry=telemetry)
         self._apply_control(step=step + 1)
 
     def _stop(self, t: float, host_bye: dict[str, Any]) -> None:

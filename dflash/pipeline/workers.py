@@ -83,8 +83,9 @@ class Producer:
     """A target rank's loop; ``make(spec)`` computes an item's tensors."""
 
     def __init__(self, channel: Channel, transport: Transport, make: Callable[[ItemSpec], tuple[torch.Tensor, ...]],
-                 item_spec: Callable[[str], ItemSpec], *, check: bool, status: Status) -> None:
-        self.ch, self.transport, self.make, self.item_spec = channel, transport, make, item_spec
+                 item_spec: Callable[[str], ItemSpec], *, check: bool, status: Status,
+                 gpu: Callable[[], list[dict[str, Any]]] = list) -> None:
+        self.ch, self.transport, self.make, self.item_spec, self.gpu = channel, transport, make, item_spec, gpu
         self.check, self.status = check, status
         self.held: dict[str, tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
@@ -123,7 +124,7 @@ class Producer:
         meta = {"tensors": describe(tensors), "fingerprint": fingerprint(tensors) if self.check else None}
         nbytes = int(tensors[0].numel() * tensors[0].element_size())
         self.ch.send({"op": "ready", "item_id": spec.item_id, "nbytes": nbytes, "meta": meta, "compute_s": compute,
-                      "pid": os.getpid()})
+                      "pid": os.getpid(), "gpu": self.gpu()})
         self.status(f"item {spec.item_id} ready; waiting to be admitted")
         return self._reply()
 
