@@ -45,14 +45,21 @@ class SimResult:
     bucket_bounds: tuple[int, ...] = ()
     wall_s: float = 0.0
     series: dict[str, list[Any]] = field(default_factory=dict, repr=False)  # downsampled, for plots
+    records_kept: bool = True
 
     @property
     def produce(self) -> list[dict[str, Any]]:
+        self._need_records()
         return list(self.trace.produce_records())
 
     @property
     def take(self) -> list[dict[str, Any]]:
+        self._need_records()
         return list(self.trace.take_records())
+
+    def _need_records(self) -> None:
+        if not self.records_kept:
+            raise ValueError("this run kept no records: simulate(..., keep_records=True) keeps them")
 
     def as_json(self) -> dict[str, Any]:
         return {"metrics": self.metrics, "summary": self.summary, "item_mix": self.item_mix,
@@ -243,7 +250,7 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
                    peak_device_bytes=fullest_device_bytes(cfg, n_target=n_target, producer_bytes=peaks[0],
                                                           drafter_bytes=peaks[1]))
     series = {"depth": stream.depth_series.points, "windows": stream.window_series.points}
-    result = SimResult(metrics, summary, trace, mix, sampler.bounds, time.perf_counter() - wall0, series)
+    result = SimResult(metrics, summary, trace, mix, sampler.bounds, time.perf_counter() - wall0, series, records)
     if records_dir is not None:
         write_records(result, records_dir, run_id or f"sim-{uuid.uuid4().hex[:8]}", close_t)
     return result

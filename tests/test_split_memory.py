@@ -126,6 +126,8 @@ def test_a_long_simulation_keeps_no_events_unless_records_are_asked_for() -> Non
     long_bytes, long = live_bytes(cfg, sampler, 1000)
     assert long.summary["produced"] > 8 * short.summary["produced"]
     assert not long.trace.produce_rows and not long.trace.take_rows
+    with pytest.raises(ValueError, match="keep_records=True"):
+        _ = long.take  # no silent empty list
     assert long_bytes < 1.5 * short_bytes  # flat, not 10x
     assert len(long.series["depth"]) <= 1000 and len(long.series["windows"]) <= 1000
     kept_bytes, kept = live_bytes(cfg, sampler, 1000, keep_records=True)
