@@ -90,3 +90,28 @@ def test_a_torn_ledger_line_is_not_a_commit(tmp_path: Path) -> None:
     assert read_ledger(tmp_path) == [(0, ["a", "b"])]
     with pytest.raises(RuntimeError, match="committed twice"):
         Ledger(tmp_path).commit(0, ["x"])
+
+
+def test_the_learning_rate_schedule_resumes_stretches_or_opens_a_new_phase() -> None:
+    from dflash.core.config import TrainConfig
+    from dflash.pipeline.lr import LrSchedule
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    first = LrSchedule(opt, TrainConfig(lr=1e-3, max_steps=8, warmup_ratio=0.25))
+    lrs = [first.at(s, 0.0) for s in range(8)]
+    assert lrs[0] == pytest.approx(1e-3 / 2) and max(lrs) == pytest.approx(1e-3) and lrs[-1] < 1e-4
+    state = first.state_dict()
+
+    same = LrSchedule(opt, TrainConfig(lr=1e-3, max_steps=8, warmup_ratio=0.25))
+    assert same.load_state_dict(state, step=4, elapsed_s=3.0, train=TrainConfig(max_steps=8)) is None
+    assert same.at(4, 3.0) == pytest.approx(lrs[4])  # a resume continues the schedule exactly
+
+    stretched = LrSchedule(opt, TrainConfig(lr=1e-3, max_steps=8))
+    assert stretched.load_state_dict(state, step=4, elapsed_s=3.0, train=TrainConfig(max_steps=16)) is None
+    assert stretched.schedule.total_steps == 16 and stretched.schedule.start_step == 0
+
+    extended = LrSchedule(opt, TrainConfig(lr=1e-3, max_steps=8))
+    phase = extended.load_state_dict(state, step=8, elapsed_s=6.0, train=TrainConfig(max_steps=12))
+    assert phase is not None and phase["start_step"] == 8 and phase["total_steps"] == 12
+    new = [extended.at(s, 6.0) for s in range(8, 12)]
+    assert new[0] < new[1] and new[-1] < new[1]  # a re-warm-up, then its own decay

@@ -28,6 +28,7 @@ class DrafterLoop:
         self.cfg = rr.cfg
         self.stage_totals: dict[str, list[float]] = {}
         self.losses: list[float] = []
+        self.elapsed_s = 0.0  # training time, all sessions (the ranks agree on it every step)
 
     def run(self) -> None:
         rr, w, train = self.rr, self.worker, self.cfg.train
@@ -35,12 +36,18 @@ class DrafterLoop:
         wall0 = last_log = time.perf_counter()
         interval_tokens, stopped_by, last_ckpt = 0, "data", None
         wb = self._wandb() if self.host else None
+        before_s = self.before_s = rr.scheduler.elapsed_s  # training time of earlier sessions
+        self.wall0 = wall0
+        if self.host and rr.new_phase is not None:
+            rr.service.note("learning-rate schedule: a new phase for the extended run", rr.new_phase)
         try:
             while True:
-                code = w.agree_stop(rr.local_stop(step, wall0))
+                mine = before_s + time.perf_counter() - wall0 if self.host else 0.0
+                code, self.elapsed_s = w.agree_stop(rr.local_stop(step, mine), mine)
                 if code != STOP_NONE:
                     stopped_by = rr.stop_name(code)
                     break
+                rr.scheduler.at(step, self.elapsed_s)
                 ts = time.perf_counter()
                 got = w.step(step)
                 if got is None:
@@ -111,7 +118,9 @@ class DrafterLoop:
         rr = self.rr
         snap = rr.service.snapshot(step, rr.spec.wait_s)
         tensors = {"drafter": rr.drafter.state_dict(), "optimizer": rr.optimizer.state_dict(),
-                   "scheduler": rr.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                   "scheduler": rr.scheduler.state_dict(),
+                   "elapsed_s": self.before_s + time.perf_counter() - self.wall0,
+                   "torch_rng": torch.get_rng_state(),
                    "python_rng": random.getstate()}
         meta = {"step": step, "run_id": rr.info["run_id"], "world": {"n_target": rr.roles.n_target,
                                                                      "n_drafter": rr.roles.n_drafter}, **snap}

@@ -125,6 +125,7 @@ class RankRun:
         self.out = Path(spec.out)
         self.signal: str | None = None
         self._gpus: Any = None
+        self.new_phase: dict[str, Any] | None = None  # a learning-rate phase opened at resume (an extension)
         self.progress = (lambda _m: None) if spec.quiet or not roles.is_coordinator else \
             (lambda m: print(m, flush=True))
 
@@ -182,7 +183,7 @@ class RankRun:
 
     def _build_drafter(self) -> None:
         from dflash.model.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
-        from dflash.pipeline.trainer import cosine_with_warmup
+        from dflash.pipeline.lr import LrSchedule
 
         cfg = self.cfg
         spec = DrafterSpec.from_target_config(self.target.config, target_layer_ids=self.layer_ids,
@@ -196,10 +197,7 @@ class RankRun:
             dist.broadcast(buf, src=self.roles.coordinator_rank, group=self.drafter_group)
             t.data.copy_(buf)
         self.optimizer = torch.optim.AdamW(self.drafter.trainable_parameters(), lr=cfg.train.lr)
-        total = cfg.train.schedule_steps or cfg.train.max_steps or 1000
-        warmup = int(cfg.train.warmup_ratio * total)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
-                                                           lambda s: cosine_with_warmup(s, warmup, total))
+        self.scheduler = LrSchedule(self.optimizer, cfg.train)
 
     def _host_setup(self) -> dict[str, Any]:
         """The coordinator thread, after the resume is resolved; returns what every rank must know."""
@@ -260,7 +258,9 @@ class RankRun:
             state = torch.load(Path(self.info["checkpoint"]) / "state.pt", weights_only=False, map_location="cpu")
             self.drafter.load_state_dict(state["drafter"])
             self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            self.new_phase = self.scheduler.load_state_dict(
+                state["scheduler"], step=int(self.info["start_step"]), elapsed_s=float(state.get("elapsed_s", 0.0)),
+                train=self.cfg.train)
         worker = DrafterWorker(self.channel, make_transport(self.plane, self.device), self.drafter, self.optimizer,
                                self.scheduler, group=self.drafter_group, reduce_device=self.reduce_device,
                                device=self.device, seed=self.cfg.seed, grad_clip=self.cfg.train.grad_clip,
@@ -278,13 +278,14 @@ class RankRun:
         if not torch.equal(input_ids, tensors[1].cpu()):
             raise RuntimeError(f"item {item_id}: the received tokens are not the item's tokens (swapped transfer)")
 
-    def local_stop(self, step: int, wall0: float) -> int:
+    def local_stop(self, step: int, elapsed_s: float) -> int:
+        """This rank's view: a signal, the step limit, or (the host's clock) the training-time budget."""
         cfg = self.cfg.train
         if self.signal is not None:
             return STOP_SIGNAL
         if cfg.max_steps is not None and step >= cfg.max_steps:
             return STOP_MAX_STEPS
-        if cfg.max_minutes and self.roles.is_coordinator and time.perf_counter() - wall0 >= cfg.max_minutes * 60:
+        if cfg.max_minutes and self.roles.is_coordinator and elapsed_s >= cfg.max_minutes * 60:
             return STOP_MAX_MINUTES
         return STOP_NONE
 

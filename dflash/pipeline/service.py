@@ -306,6 +306,13 @@ class CoordinatorService:
                     "trained": self.before["trained"] + self.trained,
                     "replayed": self.before.get("replayed", 0) + self.feed.replayed}
 
+    def note(self, reason: str, change: dict[str, Any]) -> None:
+        """A change the host rank made to the run (e.g. a new learning-rate phase), as a control record."""
+        with self._lock:
+            self.records.write("control", t=self.now(), accepted=True, step=None, change={"schedule": change},
+                               reason=reason)
+        self.progress(f"{reason}: {change}")
+
     # ------------------------------------------------------------------ live re-tuning
     def _write_control_start(self) -> None:
         self.records.write("control", t=self.now(), accepted=True, step=None,

@@ -191,10 +191,11 @@ class DrafterWorker:
         self.check, self.status, self.verify_ids = check, status, verify_ids
         self.params = list(drafter.trainable_parameters())
 
-    def agree_stop(self, local_code: int) -> int:
-        flag = torch.tensor([local_code], dtype=torch.int64, device=self.reduce_device)
+    def agree_stop(self, local_code: int, elapsed_s: float) -> tuple[int, float]:
+        """The ranks' stop decision and the training time (the host's clock: the others pass 0)."""
+        flag = torch.tensor([local_code, elapsed_s], dtype=torch.float64, device=self.reduce_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
+        return int(flag[0].item()), float(flag[1].item())
 
     def step(self, step: int) -> tuple[StepResult, dict[str, Any]] | None:
         """One synchronised optimizer step; None when no drafter rank got an item (drained)."""

@@ -1,0 +1,68 @@
+"""The drafter ranks' learning rate: :mod:`dflash.core.schedule` on the run's steps and training time.
+
+Every drafter rank sets the same rate for a step because the step and the training time come from
+the ranks' shared stop agreement (the host's clock, all-reduced). Training time and the schedule's
+phase live in the checkpoint, so a resumed run continues the schedule exactly; a finished run given
+a larger ``--max-steps`` (or ``--max-minutes``) opens a new phase (a re-warm-up and its own decay).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash.core.config import TrainConfig
+from dflash.core.schedule import Schedule, schedule_for
+
+SHAPE = "cosine"  # the trainer's shape (the in-process trainer's cosine with warm-up)
+
+
+class LrSchedule:
+    """``at(step, elapsed_s)`` sets the optimizer's rate; ``get_last_lr``/``step`` as a torch scheduler's."""
+
+    def __init__(self, optimizer: Any, train: TrainConfig) -> None:
+        self.optimizer = optimizer
+        self.peak = train.lr
+        self.schedule = schedule_for(shape=SHAPE, max_steps=train.max_steps or (None if train.max_minutes else 1000),
+                                     schedule_steps=train.schedule_steps, max_minutes=train.max_minutes,
+                                     warmup_ratio=train.warmup_ratio, decay_frac=0.2, min_ratio=0.0)
+        self.elapsed_s = 0.0  # training time before this session (from the checkpoint)
+        self._lr = self.peak * self.schedule.factor(0, 0.0)
+
+    def at(self, step: int, elapsed_s: float) -> float:
+        self._lr = self.peak * self.schedule.factor(step, elapsed_s)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
+        return self._lr
+
+    def get_last_lr(self) -> list[float]:
+        return [self._lr]
+
+    def step(self) -> None:
+        """The rate is set per step by :meth:`at`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule.state_dict(), "peak": self.peak}
+
+    def load_state_dict(self, state: dict[str, Any], *, step: int, elapsed_s: float,
+                        train: TrainConfig) -> dict[str, Any] | None:
+        """Restore the phase for the run's limits now; returns the new phase when one opens (an extension).
+
+        A phase that is over (its step limit or time budget reached) and limits that grew open a new
+        phase from here; limits that grew before the phase ended stretch it; the same limits continue it.
+        """
+        import dataclasses
+
+        s = Schedule.from_state(state["schedule"])
+        self.elapsed_s = elapsed_s
+        total = train.schedule_steps or train.max_steps
+        budget = None if train.max_minutes is None else 60.0 * train.max_minutes
+        grew = (total is not None and s.total_steps is not None and total > s.total_steps) or \
+            (budget is not None and s.budget_s is not None and budget > s.budget_s)
+        if not grew:
+            self.schedule = s
+            return None
+        if s.progress(step, elapsed_s) >= 1.0:  # the phase is over: a new one, with its own warm-up and decay
+            self.schedule = s.extended(step, elapsed_s, total_steps=total, budget_s=budget)
+            return self.schedule.state_dict()
+        self.schedule = dataclasses.replace(s, total_steps=total, budget_s=budget)
+        return None
