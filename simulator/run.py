@@ -75,65 +75,96 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
     ``keep_records`` keeps every produce and take record (``records_dir`` writes them too);
     ``progress`` is called with the simulated time every 1/200 of ``sim_seconds``."""
     wall0 = time.perf_counter()
-    env = simpy.Environment()
-    q = cfg.queue
-    n_target, n_drafter = cfg.cluster.n_target, cfg.cluster.n_drafter
-    sync = cfg.cluster.drafter_sync == "step"
-    mix = sampler.item_mix()
-    core = QueueCore(q, sampler.n_buckets, mix=mix, seed=cfg.seed)
-    seed_rng = random.Random(cfg.seed + 7919)
-    target_time = TargetTime(cfg.timing, random.Random(seed_rng.random()))
-    drafter_time = DrafterTime(cfg.timing, random.Random(seed_rng.random()))
-    bpt = bytes_per_token(cfg)
-    seq_anchors = _sequence_anchors(cfg, sampler)
-    move_s = _transfer_s_per_byte(cfg)  # [producer][drafter]
-    moves = any(x for row in move_s for x in row)
-    allreduce_s = allreduce_seconds(cfg, n_drafter) if sync else 0.0
-
     records = keep_records or records_dir is not None or cfg.loss_model.fitted
-    trace = RunTrace()
-    produce_rows, take_rows = trace.produce_rows, trace.take_rows  # field orders: dflash.core.runmetrics
-    stream = StreamMetrics(p=mix, min_ready=q.min_ready, window=cfg.metrics.window, warmup_s=cfg.metrics.warmup_s,
-                           n_target=n_target, n_drafter=n_drafter, n_buckets=sampler.n_buckets)
-    stream_take = stream.take
-    held: dict[int, list[QueueItem]] = {}  # drafter -> items in its current step
-    blocked: dict[int, QueueItem] = {}  # producer -> item held at the cap
-    held_since: dict[int, float] = {}  # producer -> when it finished the item it holds
-    producing: dict[int, float] = {}  # producer -> when it started the item it computes
-    resident = [0] * n_target  # hidden-state bytes each producer holds (queued or at the cap)
-    peaks = [0, 0]  # the most bytes one producer held, the most one take held
+    run = _Pipeline(cfg, sampler, max_items=max_items, max_steps=max_steps, records=records)
+    _run(run.env, sim_seconds, run.budget_done if max_steps is not None else None, progress)
+    close_t = min(run.env.now, sim_seconds)
+    result = run.result(close_t)
+    result.wall_s = time.perf_counter() - wall0
+    if records_dir is not None:
+        write_records(result, records_dir, run_id or f"sim-{uuid.uuid4().hex[:8]}", close_t)
+    return result
 
-    def on_take(ev: QueueGet | TakeRequest, items: list[QueueItem], reason: str, depth_before: int,
-                bucket_depths: tuple[int, ...]) -> None:
-        now = env._now  # type: ignore[attr-defined]
-        tokens = n_seqs = anchors = nbytes = 0
-        move = 0.0
-        for it in items:
-            w, an, _, _ = it.payload
-            tokens += it.real_tokens
-            n_seqs += it.n_seqs
-            anchors += an
-            nbytes += it.nbytes
-            resident[w] -= it.nbytes
-            if moves:
-                move += it.nbytes * move_s[w][ev.index]
-        if nbytes > peaks[1]:
-            peaks[1] = nbytes
-        compute = ev.compute_s = drafter_time(tokens, anchors) + move
-        wait = now - ev.t_request
-        stream_take(now, ev.index, items, items[0].bucket, wait, compute, tokens, n_seqs, nbytes, depth_before,
-                    bucket_depths)
-        if records:
-            take_rows.append((now, ev.index, ev.step, [it.item_id for it in items], items[0].bucket, wait,
-                              depth_before, bucket_depths, reason, compute, tokens, n_seqs, anchors))
 
-    queue = SimHSQueue(env, core, on_take, stream.put)
-    try_put, try_take, compute = queue.try_put, queue.try_take, queue.compute
-    specs = sampler.iter_items() if max_items is None else item_stream(sampler.iter_items(), max_items)
-    producers_left = [n_target]
+class _Pipeline:
+    """One run's processes and state: producers, drafters (synchronised or not), the queue, the
+    streamed metrics and, when asked, the records. The hot loops bind what they use to locals."""
 
-    def producer(w: int) -> Any:
-        for spec in specs:
+    def __init__(self, cfg: DflashConfig, sampler: Sampler, *, max_items: int | None, max_steps: int | None,
+                 records: bool) -> None:
+        self.cfg, self.sampler, self.max_steps, self.records = cfg, sampler, max_steps, records
+        self.env = env = simpy.Environment()
+        self.n_target, self.n_drafter = cfg.cluster.n_target, cfg.cluster.n_drafter
+        self.mix = sampler.item_mix()
+        self.core = QueueCore(cfg.queue, sampler.n_buckets, mix=self.mix, seed=cfg.seed)
+        seed_rng = random.Random(cfg.seed + 7919)
+        self.target_time = TargetTime(cfg.timing, random.Random(seed_rng.random()))
+        self.drafter_time = DrafterTime(cfg.timing, random.Random(seed_rng.random()))
+        self.trace = RunTrace()  # field orders: dflash.core.runmetrics
+        self.stream = StreamMetrics(p=self.mix, min_ready=cfg.queue.min_ready, window=cfg.metrics.window,
+                                    warmup_s=cfg.metrics.warmup_s, n_target=self.n_target, n_drafter=self.n_drafter,
+                                    n_buckets=sampler.n_buckets)
+        self.held: dict[int, list[QueueItem]] = {}  # drafter -> items in its current step
+        self.blocked: dict[int, QueueItem] = {}  # producer -> item held at the cap
+        self.held_since: dict[int, float] = {}  # producer -> when it finished the item it holds
+        self.producing: dict[int, float] = {}  # producer -> when it started the item it computes
+        self.waiting: dict[int, float] = {}  # drafter -> since when it waits for its take
+        self.resident = [0] * self.n_target  # hidden-state bytes each producer holds (queued or at the cap)
+        self.peaks = [0, 0]  # the most bytes one producer held, the most one take held
+        self.step_no, self.trained, self.producers_left = [0], [0], [self.n_target]
+        self.budget_done = env.event()
+        self.queue = SimHSQueue(env, self.core, self._on_take_callback(), self.stream.put)
+        self.specs = sampler.iter_items() if max_items is None else item_stream(sampler.iter_items(), max_items)
+        for w in range(self.n_target):
+            env.process(self.producer(w))
+        if cfg.cluster.drafter_sync == "step":
+            env.process(self.synchronised_drafters(allreduce_seconds(cfg, self.n_drafter)))
+        else:
+            for d in range(self.n_drafter):
+                env.process(self.independent_drafter(d))
+
+    def _on_take_callback(self) -> Callable[..., None]:
+        """The queue's take hook: the take's work, its compute time (drafter model + hidden-state
+        moves from each item's producer), streamed metrics and the record. A closure: it runs per take."""
+        env, resident, peaks, drafter_time = self.env, self.resident, self.peaks, self.drafter_time
+        move_s = _transfer_s_per_byte(self.cfg)  # [producer][drafter]
+        moves = any(x for row in move_s for x in row)
+        stream_take, take_rows, records = self.stream.take, self.trace.take_rows, self.records
+
+        def on_take(ev: QueueGet | TakeRequest, items: list[QueueItem], reason: str, depth_before: int,
+                    bucket_depths: tuple[int, ...]) -> None:
+            now = env._now  # type: ignore[attr-defined]
+            tokens = n_seqs = anchors = nbytes = 0
+            move = 0.0
+            for it in items:
+                w, an, _, _ = it.payload
+                tokens += it.real_tokens
+                n_seqs += it.n_seqs
+                anchors += an
+                nbytes += it.nbytes
+                resident[w] -= it.nbytes
+                if moves:
+                    move += it.nbytes * move_s[w][ev.index]
+            if nbytes > peaks[1]:
+                peaks[1] = nbytes
+            compute = ev.compute_s = drafter_time(tokens, anchors) + move
+            wait = now - ev.t_request
+            stream_take(now, ev.index, items, items[0].bucket, wait, compute, tokens, n_seqs, nbytes, depth_before,
+                        bucket_depths)
+            if records:
+                take_rows.append((now, ev.index, ev.step, [it.item_id for it in items], items[0].bucket, wait,
+                                  depth_before, bucket_depths, reason, compute, tokens, n_seqs, anchors))
+
+        return on_take
+
+    def producer(self, w: int) -> Any:
+        """Draw the next item of the shared stream, compute it, put it (blocking at the cap)."""
+        env, queue, resident, peaks = self.env, self.queue, self.resident, self.peaks
+        producing, blocked, held_since = self.producing, self.blocked, self.held_since
+        try_put, compute, target_time = queue.try_put, queue.compute, self.target_time
+        bpt, seq_anchors = bytes_per_token(self.cfg), _sequence_anchors(self.cfg, self.sampler)
+        produce_rows, records = self.trace.produce_rows, self.records
+        for spec in self.specs:
             t0 = producing[w] = env._now  # type: ignore[attr-defined]
             yield compute(target_time(spec.n_seqs, spec.padded_len, t0))
             del producing[w]
@@ -153,29 +184,27 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
             if records:
                 produce_rows.append((t1, spec.item_id, w, spec.bucket, spec.n_seqs, spec.real_tokens,
                                      spec.padded_len, t0, t1, blocked_s, nbytes))
-        producers_left[0] -= 1
-        if producers_left[0] == 0:
+        self.producers_left[0] -= 1
+        if self.producers_left[0] == 0:
             queue.close()
 
-    step_no = [0]
-    trained = [0]
-    budget_done = env.event()
-
-    def budget_spent() -> bool:
+    def budget_spent(self) -> bool:
         """True (and the run stops) once ``max_steps`` steps are done."""
-        if max_steps is not None and step_no[0] >= max_steps:
-            if not budget_done.triggered:
-                budget_done.succeed()
+        if self.max_steps is not None and self.step_no[0] >= self.max_steps:
+            if not self.budget_done.triggered:
+                self.budget_done.succeed()
             return True
         return False
-    waiting: dict[int, float] = {}  # drafter -> since when it waits for its take
 
-    def synchronised_drafters() -> Any:
+    def synchronised_drafters(self, allreduce_s: float) -> Any:
         """drafter_sync = "step": every drafter takes (in index order, each re-checking the gate)
         and computes from the moment it gets its items; the step ends with the slowest, then the
         gradient all-reduce. One process for all drafters: the same decisions as one process each
         behind a barrier, with a fraction of the events."""
-        drafters = range(n_drafter)
+        env, queue, held, waiting = self.env, self.queue, self.held, self.waiting
+        try_take, compute, step_no, trained = queue.try_take, queue.compute, self.step_no, self.trained
+        drafters = range(self.n_drafter)
+        limited = self.max_steps is not None
         while True:
             step, t_step = step_no[0], env._now  # type: ignore[attr-defined]
             finish = t_step
@@ -199,61 +228,54 @@ def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_ite
             held.clear()
             trained[0] += n
             step_no[0] += 1
-            if max_steps is not None and budget_spent():
+            if limited and self.budget_spent():
                 return
 
-    def independent_drafter(d: int) -> Any:
+    def independent_drafter(self, d: int) -> Any:
+        """drafter_sync = "none": take, train, repeat, on its own clock."""
+        env, queue, held, waiting = self.env, self.queue, self.held, self.waiting
         while True:
             waiting[d] = env.now
-            request, items = yield from queue.take_items(d, step_no[0])
+            request, items = yield from queue.take_items(d, self.step_no[0])
             del waiting[d]
             if items is None:
                 return
-            step_no[0] += 1
+            self.step_no[0] += 1
             held[d] = items
             yield queue.compute(request.compute_s)
-            trained[0] += len(held.pop(d))
-            if budget_spent():
+            self.trained[0] += len(held.pop(d))
+            if self.budget_spent():
                 return
 
-    for w in range(n_target):
-        env.process(producer(w))
-    if sync:
-        env.process(synchronised_drafters())
-    else:
-        for d in range(n_drafter):
-            env.process(independent_drafter(d))
-    _run(env, sim_seconds, budget_done if max_steps is not None else None, progress)
-    close_t = min(env.now, sim_seconds)
-
-    # Stop: queued items and items held at the cap are discarded; steps in progress complete.
-    in_steps = sum(len(v) for v in held.values())
-    queued_at_stop = core.depth
-    stranded = {"queued": queued_at_stop, "blocked_producers": len(blocked),
-                "gate_open_at_stop": core.gate() is not None}
-    summary = {
-        "produced": sum(core.counters.produced) + len(blocked), "trained": trained[0] + in_steps,
-        "discarded_at_stop": queued_at_stop + len(blocked), "replayed": 0,
-        "takes": core.counters.takes, "steps": step_no[0], "stranded": stranded,
-        "drained": core.closed and queued_at_stop == 0,
-    }
-    open_intervals = {  # work in progress at the close, which no record shows yet
-        "target_busy": [(t0, close_t) for t0 in producing.values()],
-        "target_blocked": [(t1, close_t) for t1 in held_since.values()],
-        "drafter_wait": [(t, close_t) for t in waiting.values()],
-    }
-    summary["open_intervals"] = open_intervals  # in the summary record, so records alone give the metrics
-    metrics = stream.finish(close_t, core, open_intervals)
-    core.discard_all()
-    metrics.update(predicted_roughness(cfg, trace))
-    metrics.update(peak_producer_bytes=peaks[0], peak_drafter_bytes=peaks[1],
-                   peak_device_bytes=fullest_device_bytes(cfg, n_target=n_target, producer_bytes=peaks[0],
-                                                          drafter_bytes=peaks[1]))
-    series = {"depth": stream.depth_series.points, "windows": stream.window_series.points}
-    result = SimResult(metrics, summary, trace, mix, sampler.bounds, time.perf_counter() - wall0, series, records)
-    if records_dir is not None:
-        write_records(result, records_dir, run_id or f"sim-{uuid.uuid4().hex[:8]}", close_t)
-    return result
+    def result(self, close_t: float) -> SimResult:
+        """Stop at ``close_t``: queued items and items held at the cap are discarded (counted); steps
+        in progress complete. The summary, the metrics and the downsampled series."""
+        core, blocked, stream = self.core, self.blocked, self.stream
+        queued_at_stop = core.depth
+        summary: dict[str, Any] = {
+            "produced": sum(core.counters.produced) + len(blocked),
+            "trained": self.trained[0] + sum(len(v) for v in self.held.values()),
+            "discarded_at_stop": queued_at_stop + len(blocked), "replayed": 0,
+            "takes": core.counters.takes, "steps": self.step_no[0],
+            "stranded": {"queued": queued_at_stop, "blocked_producers": len(blocked),
+                         "gate_open_at_stop": core.gate() is not None},
+            "drained": core.closed and queued_at_stop == 0,
+        }
+        open_intervals = {  # work in progress at the close, which no record shows yet
+            "target_busy": [(t0, close_t) for t0 in self.producing.values()],
+            "target_blocked": [(t1, close_t) for t1 in self.held_since.values()],
+            "drafter_wait": [(t, close_t) for t in self.waiting.values()],
+        }
+        summary["open_intervals"] = open_intervals  # in the summary record, so records alone give the metrics
+        metrics = stream.finish(close_t, core, open_intervals)
+        core.discard_all()
+        metrics.update(predicted_roughness(self.cfg, self.trace))
+        producer_peak, take_peak = self.peaks
+        metrics.update(peak_producer_bytes=producer_peak, peak_drafter_bytes=take_peak,
+                       peak_device_bytes=fullest_device_bytes(self.cfg, n_target=self.n_target,
+                                                              producer_bytes=producer_peak, drafter_bytes=take_peak))
+        series = {"depth": stream.depth_series.points, "windows": stream.window_series.points}
+        return SimResult(metrics, summary, self.trace, self.mix, self.sampler.bounds, 0.0, series, self.records)
 
 
 def _run(env: simpy.Environment, sim_seconds: float, budget_done: Any, progress: Callable[[float], None] | None
