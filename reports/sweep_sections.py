@@ -243,14 +243,18 @@ def split_section(inputs: Inputs) -> Section:
                 TPUT: num(getattr(r, f"user_attrs_{TPUT}")), MIX: num(getattr(r, f"user_attrs_{MIX}")),
                 "feasible": bool(r.split_feasible)} for r in rows.itertuples(index=False)]
     table = split_table(records, gpus, per)
+    device = dict(zip(rows["number"].astype(int), rows.get("user_attrs_peak_device_bytes", pd.Series(
+        [None] * len(rows), index=rows.index)), strict=True))
     sec.blocks.append(Figure("split", figures.split(rows, table), _split_caption(table)))
     sec.blocks.append(Table(pd.DataFrame([{
         "split (targets/drafters)": f"{s['n_target']}/{s['n_drafter']}", "feasible trials": str(s["feasible_trials"]),
         "chosen trial": NA if s["trial"] is None else str(s["trial"]),
         "tokens/s": fmt_metric(TPUT, s[TPUT]), "mix_efficiency": fmt_metric(MIX, s[MIX]),
+        "fullest device": NA if s["trial"] is None else fmt_metric("peak_queue_bytes", device.get(s["trial"])),
         "": ("best" if table["best"] is s else "") + (" even" if table["even"] is s else "")}
         for s in table["splits"]]), "Each split's choice: the knee of that split's own feasible front "
-        "(the selection rule, within the split; simulated, mean over seeds)."))
+        "(the selection rule, within the split; simulated, mean over seeds); fullest device: the per-device "
+        "memory model at the run's peaks (what [memory] sizes it knows)."))
     return sec
 
 
