@@ -88,6 +88,7 @@ def rank_main(spec: RunSpec) -> int:
     except BaseException as exc:
         _report_failure(out, rank, spec, status, exc)
         raise SystemExit(2 if isinstance(exc, ConfigError) else 1) from None
+    status.flush()
     if rr.signal is not None:  # the launcher is shutting down and waits for this process: leave now
         sys.stdout.flush()
         sys.stderr.flush()
@@ -103,6 +104,7 @@ def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: Ba
     (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": time.time(), "line": line,
                                                                       "config": isinstance(exc, ConfigError)}))
     status(f"failed: {what}")
+    status.flush()
     if not os.environ.get(LAUNCHED_BY_DFLASH):  # under torchrun nobody else prints it
         print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
 

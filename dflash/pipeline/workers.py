@@ -57,20 +57,41 @@ def capture_item(data: Any, target: Any, capture: Any, spec: ItemSpec, device: t
     return hidden, input_ids.to(device), attention_mask.to(device), loss_mask.to(device)
 
 
-@dataclass
 class Status:
-    """What a rank is doing, in a small file per rank, so a hung job names its ranks and where they wait."""
+    """What a rank is doing, in a small file per rank, so a hung job names its ranks and where they wait.
 
-    path: Any
-    rank: int
+    Saying costs an attribute store (it happens several times per item, on the critical path); a daemon
+    thread writes the file when the text changed, a few times a second, and ``flush`` writes at once.
+    """
+
+    INTERVAL_S = 0.2
+
+    def __init__(self, path: Any, rank: int) -> None:
+        self.path, self.rank = path, rank
+        self._what = "starting"
+        self._written: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="rank-status", daemon=True)
+        self._thread.start()
 
     def __call__(self, what: str) -> None:
+        self._what = what
+
+    def flush(self) -> None:
+        what = self._what
+        if what == self._written:
+            return
         try:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(f"rank {self.rank} (pid {os.getpid()}): {what}\n")
             os.replace(tmp, self.path)
+            self._written = what
         except OSError:
             pass
+
+    def _loop(self) -> None:
+        while True:
+            self.flush()
+            time.sleep(self.INTERVAL_S)
 
 
 def _use_device(device: torch.device) -> None:
@@ -142,8 +163,8 @@ class Producer:
                 if msg["op"] == "send":  # post this rank's part of the round at once; the sender thread waits
                     with self._lock:
                         tensors = self.held.pop(msg["item_id"])
-                    self.status(f"sending item {msg['item_id']} to rank {msg['dst']} in round {msg['round']}")
                     self._sends.put((self.transport.post_send(tensors, msg["dst"], msg["round"]), tensors))
+                    self.status(f"sending item {msg['item_id']} to rank {msg['dst']} in round {msg['round']}")
                 else:
                     self._replies.put(msg)
                     if msg["op"] == "stop":

@@ -39,6 +39,10 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     if resume == "finished":
         return 0
     check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
+    if any(d != "cpu" for d in (*cfg.target.devices, *cfg.drafter.devices)) and (not under_launcher()
+                                                                                  or _is_first_rank()):
+        print("note: [target] devices and [drafter] devices are not used by dflash train: each rank uses "
+              "cuda:LOCAL_RANK when CUDA is available, else the CPU")
     if not under_launcher() or _is_first_rank():
         _prepare(out, cfg, resume=bool(resume))
     spec = RunSpec(cfg, str(out), resume=bool(resume), wandb=args.wandb, **debug_knobs())
