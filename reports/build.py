@@ -30,6 +30,7 @@ def build_sections(inputs: Inputs, cfg: DflashConfig) -> list[Section]:
         recommend.section(inputs),
         run_sections.comparison_section(inputs),
         sweep_sections.pareto_section(inputs),
+        sweep_sections.split_section(inputs),
         run_sections.queue_section(inputs),
         run_sections.loss_section(inputs),
         sweep_sections.heatmap_section(inputs),

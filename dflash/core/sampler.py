@@ -20,6 +20,10 @@ from functools import lru_cache
 
 from dflash.core.config import WorkloadConfig
 
+# Epoch orders kept formed: workers read the current epoch and (at resume, replay) a few earlier ones.
+# More only costs memory: a simulated week of training walks hundreds of epochs (benchmarks/sim_memory.py).
+EPOCH_CACHE = 16
+
 
 def bucket_of(length: int, bounds: Sequence[int]) -> int:
     """Index of the first upper bound >= length (lengths above the last bound are clipped to it)."""
@@ -71,8 +75,8 @@ class Sampler:
         self._by_bucket = [[i for i, b in enumerate(self.seq_bucket) if b == bk]
                            for bk in range(self.n_buckets)]
         # Epochs are formed once and kept: a sweep runs many simulations over one sampler.
-        self._epoch = lru_cache(maxsize=64)(self._form_epoch)
-        self._by_id = lru_cache(maxsize=64)(lambda e: {it.item_id: it for it in self._epoch(e)})
+        self._epoch = lru_cache(maxsize=EPOCH_CACHE)(self._form_epoch)
+        self._by_id = lru_cache(maxsize=EPOCH_CACHE)(lambda e: {it.item_id: it for it in self._epoch(e)})
 
     # ---------------------------------------------------------------- formation
     def _rng(self, epoch: int, salt: int) -> random.Random:
