@@ -291,3 +291,14 @@ def test_a_worker_whose_trial_was_taken_over_as_stale_keeps_going(tmp_path: Path
     assert trials[0].state == TrialState.FAIL and trials[1].user_attrs["requeued_from"] == 0
     assert trials[1].params == trials[0].params and trials[1].state == TrialState.COMPLETE
     assert sum(t.state == TrialState.COMPLETE for t in trials) == 3
+
+
+@pytest.mark.parametrize("url", ["missing/s.journal", "sqlite:///missing/s.db"])
+def test_a_reader_opening_a_missing_storage_creates_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            url: str) -> None:
+    from dflash.core.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        open_storage(url, create=False)
+    assert err.value.key == "--storage" and list(tmp_path.iterdir()) == []

@@ -132,14 +132,18 @@ def _check_postgres(url: str) -> None:
                           f"{(str(exc).strip().splitlines() or [''])[0][:120]})", url) from None
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
+def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
     """Open (creating if needed) the storage behind ``url``.
 
     Creating the tables of a new SQLite file or PostgreSQL database is done under a lock
     (:data:`SCHEMA_LOCK`), so starters racing on a new storage never collide on the schema.
+    ``create=False`` (readers such as ``dflash validate --study``): a journal or SQLite file that
+    does not exist is a ConfigError, and nothing is created.
     """
     check_storage(url)
     path = storage_file(url)
+    if not create and path is not None and not path.is_file():
+        raise ConfigError("--storage", "no such storage file (a study is read from an existing one)", url)
     try:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
