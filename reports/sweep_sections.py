@@ -12,11 +12,13 @@ import math
 
 import pandas as pd
 
+from dflash.core.named_configs import knobs_label
 from reports import figures
 from reports.document import Figure, Missing, Section, Table
 from reports.fmt import NA, fmt_metric, fmt_pm, num
 from reports.inputs import Inputs, SweepInput
 from reports.recommend import REFERENCES, chosen_name, predicted_view
+from tuning.pareto import nondominated
 from tuning.select import split_table
 
 TPUT, MIX = "throughput_tokens_per_s", "mix_efficiency"
@@ -47,8 +49,7 @@ def front_numbers(sweep: SweepInput, df: pd.DataFrame) -> list[int]:
     pts = [(n, x, y) for n, x, y in pts if x is not None and y is not None]
     if len(sweep.selection.get("objectives") or []) == 1 and pts:  # scalar study: the best mix_efficiency
         return [max(pts, key=lambda p: (p[2], -p[0]))[0]]
-    return sorted(n for n, x, y in pts
-                  if not any(a >= x and b >= y and (a > x or b > y) for _, a, b in pts))
+    return sorted(pts[i][0] for i in nondominated([(x, y) for _, x, y in pts]))
 
 
 def pareto_section(inputs: Inputs) -> Section:
@@ -131,12 +132,11 @@ def sensitivity_section(inputs: Inputs) -> Section:
     if "params_pair" in df.columns:
         table = df.pivot_table(index="params_pair", columns="user_attrs_queue_policy", aggfunc="first",
                                values=[f"user_attrs_{MIX}", f"user_attrs_{MIX}_se", f"user_attrs_{TPUT}"])
-        marks = {"10/30": " (baseline)", "30/90": " (handpicked)"}
         pairs = sorted(table.index, key=lambda p: tuple(int(x) for x in str(p).split("/")))
         policies = sorted(df["user_attrs_queue_policy"].unique())
         rows = []
         for pair in pairs:
-            row = {"min_ready/max_depth": f"{pair}{marks.get(pair, '')}"}
+            row = {"min_ready/max_depth": knobs_label(*(int(x) for x in str(pair).split("/")))}
             for pol in policies:
                 m = table.get((f"user_attrs_{MIX}", pol), pd.Series(dtype=float)).get(pair)
                 s = table.get((f"user_attrs_{MIX}_se", pol), pd.Series(dtype=float)).get(pair)

@@ -25,9 +25,11 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from dflash.core.named_configs import NAMED_CONFIGS
+from tuning.pareto import knee_scores, nondominated
 from tuning.study import feasible
 
-NAMED = {"baseline": {"min_ready": 10, "max_depth": 30}, "handpicked": {"min_ready": 30, "max_depth": 90}}
+NAMED = NAMED_CONFIGS  # DESIGN.md's baseline and handpicked, defined once in dflash.core.named_configs
 SPLIT_KEYS = ("n_target", "n_drafter")  # trial user attributes and selection-entry keys of the split
 
 
@@ -36,15 +38,8 @@ def complete_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def pareto_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-    """Non-dominated trials (maximising every value), by trial number."""
-    front = []
-    for t in trials:
-        dominated = any(
-            all(o >= v for o, v in zip(u.values, t.values)) and any(o > v for o, v in zip(u.values, t.values))
-            for u in trials)
-        if not dominated:
-            front.append(t)
-    return sorted(front, key=lambda t: t.number)
+    """Non-dominated trials (maximising every value), by trial number (:func:`tuning.pareto.nondominated`)."""
+    return sorted((trials[i] for i in nondominated([t.values for t in trials])), key=lambda t: t.number)
 
 
 def feasible_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
@@ -59,18 +54,13 @@ def feasible_front(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.
 
 def knee_order(front: list[optuna.trial.FrozenTrial], against: list[optuna.trial.FrozenTrial] | None = None
                ) -> list[tuple[optuna.trial.FrozenTrial, float]]:
-    """Trials (default: the front) by the norm of their relative shortfalls from the front's best."""
+    """Trials (default: the front) by the norm of their relative shortfalls from the front's best
+    (:func:`tuning.pareto.knee_scores`)."""
     if not front:
         return []
-    dims = len(front[0].values)
-    best = [max(t.values[i] for t in front) for i in range(dims)]
-
-    def score(t: optuna.trial.FrozenTrial) -> float:
-        short = [1 - t.values[i] / best[i] if best[i] > 0 else 0.0 for i in range(dims)]
-        return math.sqrt(sum(x * x for x in short))
-
     pool = front if against is None else against
-    return sorted(((t, score(t)) for t in pool), key=lambda p: (p[1], p[0].number))
+    scores = knee_scores([t.values for t in pool], reference=[t.values for t in front])
+    return sorted(zip(pool, scores, strict=True), key=lambda p: (p[1], p[0].number))
 
 
 def select_top_k(study: optuna.Study, k: int) -> list[optuna.trial.FrozenTrial]:
