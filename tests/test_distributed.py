@@ -9,6 +9,7 @@ timeout fails as "deadlocked on ranks ..." with what each rank said it was waiti
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -229,3 +230,20 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_run_resumes(tmp_path
     assert s["stopped_by"] == "signal SIGTERM"
     last = sorted((run / "checkpoint").glob("step-*"))[-1]
     assert last.name == f"step-{s['steps'] - 1:08d}"  # checkpointed at the step it stopped after
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_in_place(tmp_path: Path, run_inputs) -> None:  # noqa: F811
+    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=3)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"seed": 3}))  # what a start leaves before its first checkpoint
+    (run / "produce.jsonl").write_text('{"kind": "produce", "item_id": "0:0:0"}\n')
+    (run / "ledger.jsonl").write_text('{"step": 0, "item_ids": ["0:0:0"]}\n')
+    res = dflash("train", "--resume", str(run))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert f"starts again in place with --out {run}" in res.stderr
+    res = dflash("train", "--config", str(cfg), "--out", str(run), "--wandb", "disabled", run=run)
+    assert res.returncode == 0, res.stderr
+    assert "starting it again in place" in res.stdout
+    s = assert_books_balance(run, 1, 1)
+    assert s["steps"] == 3 and len(read_ledger(run)) == 3
