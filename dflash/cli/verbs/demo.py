@@ -49,7 +49,15 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     stage(4, "simulate baseline and handpicked with the calibration (one simulated hour each)")
     demo_simulate(calibrated)
     stage(5, "sweep the queue knobs over the calibrated simulator (Optuna, NSGA-II)")
-    selection = demo_sweep(out, calibrated, str(cal_path))
+    from tuning.sweep import NoFeasibleTrial
+
+    try:
+        selection = demo_sweep(out, calibrated, str(cal_path))
+    except NoFeasibleTrial as exc:  # nothing to validate; what ran so far stays for a rerun with other limits
+        from dflash.cli.command import one_line
+
+        print(one_line(f"dflash demo: error: {exc}"), file=sys.stderr)
+        return 2
     stage(6, f"validate the chosen config, baseline and handpicked on the real trainer ({takes} takes each)")
     import json
 
