@@ -49,14 +49,8 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     stage(4, "simulate baseline and handpicked with the calibration (one simulated hour each)")
     demo_simulate(calibrated)
     stage(5, "sweep the queue knobs over the calibrated simulator (Optuna, NSGA-II)")
-    from tuning.sweep import NoFeasibleTrial
-
-    try:
-        selection = demo_sweep(out, calibrated, str(cal_path))
-    except NoFeasibleTrial as exc:  # nothing to validate; what ran so far stays for a rerun with other limits
-        from dflash.cli.command import one_line
-
-        print(one_line(f"dflash demo: error: {exc}"), file=sys.stderr)
+    selection = demo_sweep(out, calibrated, str(cal_path))
+    if selection is None:
         return 2
     stage(6, f"validate the chosen config, baseline and handpicked on the real trainer ({takes} takes each)")
     import json
@@ -82,15 +76,22 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     return 0
 
 
-def demo_sweep(out: Path, cfg: DflashConfig, calibration: str | None) -> Path:
-    from tuning.sweep import SweepArgs, format_result, run_sweep
+def demo_sweep(out: Path, cfg: DflashConfig, calibration: str | None) -> Path | None:
+    """The sweep stage; None (after one line on stderr) when no configuration is feasible: there is
+    nothing to validate, and what ran so far stays for a rerun with other limits."""
+    from dflash.cli.command import one_line
+    from tuning.sweep import NoFeasibleTrial, SweepArgs, format_result, run_sweep
 
     # A short study: at most 40 trials x 2 seeds x 30 simulated minutes (less if the config asks for less).
     cfg = with_overrides(cfg, {"sweep.seeds_per_trial": min(cfg.sweep.seeds_per_trial, 2),
                                "sweep.sim_seconds": min(cfg.sweep.sim_seconds, 1800.0)})
     sargs = SweepArgs(trials=min(cfg.sweep.trials, 40), storage=str(out / "sweep" / "study.journal"), study="demo",
                       workers=1, grid=False, out=out / "sweep", calibration=calibration)
-    res = run_sweep(cfg, sargs, progress=sys.stderr.isatty())
+    try:
+        res = run_sweep(cfg, sargs, progress=sys.stderr.isatty())
+    except NoFeasibleTrial as exc:
+        print(one_line(f"dflash demo: error: {exc}"), file=sys.stderr)
+        return None
     print(format_result(res, False, cfg))
     return Path(res["selection"])
 
