@@ -1,1 +1,27 @@
-"""The trainer: target and drafter workers around the queue, checkpoints, telemetry (W&B, NVML)."""
+"""The trainer as a torch.distributed job, one process per device, and its in-process twin.
+
+Process model (:mod:`~dflash.pipeline.launch` starts it; torchrun may too): the first ``n_target``
+ranks are targets (:class:`~dflash.pipeline.workers.Producer`), the rest drafters
+(:class:`~dflash.pipeline.workers.DrafterWorker`, :mod:`~dflash.pipeline.drafter_loop`); the first
+drafter rank also runs the coordinator thread (:mod:`~dflash.pipeline.service` around the pure
+:mod:`~dflash.pipeline.coordinator`). Modules, one job each:
+
+- ``roles``: roles by rank, the device rule, world-size and GPU-per-node checks (torch-free);
+- ``launch``: torchrun or torch's elastic launcher, one line per failure;
+- ``rank``: one rank's set-up (process groups, models, resume, channel) and end;
+- ``coordinator``: the queue decisions for many ranks over the one ``QueueCore`` (pure);
+- ``service``: the coordinator thread: channel, feed, records, ledger, live control;
+- ``channel``: the control plane (sockets, timeouts, never tensors);
+- ``transport``: the data plane (point-to-point rounds; gloo, NCCL, host-staged);
+- ``workers``, ``drafter_loop``, ``lr``: the loops and the learning rate;
+- ``ledger``, ``checkpoint``, ``resume``: exact resume, fail-closed checkpoints, control file;
+- ``telemetry``: W&B, NVML, stage timers;
+- ``trainer`` + ``hsqueue``: the in-process pipeline (threads around the threaded queue), the
+  library API that tests, ``validate`` (1 + 1) and ``demo`` use.
+
+Contracts: the control plane never carries tensors; a tensor stays on its producer until assigned
+and moves in globally numbered rounds, each rank doing its rounds in increasing order; one writer
+(the coordinator) of records and of the ledger; a checkpoint is valid only with its ledger step and
+only if its manifest verifies (recovery fails closed); every wait has a timeout and a hung rank says
+what it waits for (``RUN/.ranks``).
+"""
