@@ -15,22 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash.cli.options import Opt, Verb
+from dflash.cli.runs import drafter_dirs
 from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 
 FORMAT_NAMES = ("zlab", "speculators")
 CHECK_FAILED = 1
-
-
-def drafter_dirs(path: Path) -> tuple[Path, Path]:
-    """(run directory, drafter directory) for a run directory or the drafter directory inside one."""
-    from dflash.model.drafter import CONFIG_FILE
-
-    drafter = path / "drafter" if (path / "drafter").is_dir() else path
-    if not (drafter / CONFIG_FILE).is_file():
-        raise ConfigError("--drafter", "must be a dflash train run directory (with drafter/" + CONFIG_FILE
-                          + ") or its drafter directory", str(path))
-    return (path if drafter != path else path.parent), drafter
 
 
 def _check_flags(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
