@@ -97,7 +97,7 @@ class LoadedTarget:
         return int(self.model.config.hidden_size)
 
 
-def _gguf_cache_entry(gguf: Path, root: Path) -> Path:
+def gguf_cache_entry(gguf: Path, root: Path) -> Path:
     st = gguf.stat()
     ident = [str(gguf.resolve()), st.st_size, st.st_mtime_ns, MODEL_CACHE_FORMAT]
     h = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:12]
@@ -179,7 +179,7 @@ def load_target(model: str = "smollm2", device: str | torch.device = "cpu",
 
     cache_hit = False
     if gguf is not None:
-        entry = _gguf_cache_entry(gguf, root)
+        entry = gguf_cache_entry(gguf, root)
         net: nn.Module | None = None
         if (entry / _MARKER).is_file():
             try:

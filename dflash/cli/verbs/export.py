@@ -48,12 +48,12 @@ def checkpoint_dir(target_model: str, source: str) -> str:
     """Where transformers loads the target from: the source itself, or for a GGUF target the
     float32 safetensors conversion :func:`dflash.model.target.load_target` cached (when it did)."""
     from dflash.data.lengths import default_cache_dir, resolve_model
-    from dflash.model.target import _gguf_cache_entry
+    from dflash.model.target import gguf_cache_entry
 
     gguf, _ = resolve_model(target_model)
     if gguf is None:
         return source
-    entry = _gguf_cache_entry(gguf, default_cache_dir())
+    entry = gguf_cache_entry(gguf, default_cache_dir())
     return str(entry) if (entry / "config.json").is_file() else source
 
 
