@@ -9,7 +9,7 @@ from typing import Any
 
 from dflash.cli.options import QUEUE_OPTS, Opt, Verb, given_queue_flags
 from dflash.cli.runs import load_run_config
-from dflash.core.config import DflashConfig, with_overrides
+from dflash.core.config import DflashConfig, load_config, with_overrides
 from dflash.core.errors import ConfigError
 
 
@@ -46,9 +46,15 @@ def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
 
 
 def _base_config(args: argparse.Namespace, overrides: dict[str, Any]) -> DflashConfig:
-    """The run's own config with the live changes already written (the flags are judged against that)."""
+    """The run's own config with the live changes already written (the flags are judged against that).
+
+    A ``--config`` file is checked like on every verb (its values do not apply: a running trainer keeps
+    its own configuration).
+    """
     from dflash.pipeline.checkpoint import read_control
 
+    if args.config:
+        load_config(args.config)
     run = Path(args.run_dir)
     base = load_run_config(run)
     ctl = read_control(run)
