@@ -39,6 +39,10 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     if resume == "finished":
         return 0
     check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
+    if not under_launcher() or _is_first_rank():  # the data set and model path, once, before any rank starts
+        from dflash.data.preflight import check_data_inputs
+
+        check_data_inputs(cfg.workload, cfg.target.model)
     if any(d != "cpu" for d in (*cfg.target.devices, *cfg.drafter.devices)) and (not under_launcher()
                                                                                   or _is_first_rank()):
         print("note: [target] devices and [drafter] devices are not used by dflash train: each rank uses "
