@@ -1,4 +1,5 @@
-"""``dflash eval``: Acceptance length tau of a drafter: real speculative decoding, verified greedily by the target."""
+"""``dflash eval``: acceptance length tau of a drafter, by real speculative decoding verified greedily by the
+target, with a bootstrap interval over prompts so two configurations can be told apart (or not)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 from dflash.cli.options import Opt, Verb
 from dflash.cli.runs import drafter_dirs, load_run_config, trained_conversation_ids
 from dflash.core.config import DflashConfig
+
+DEFAULT_PROMPTS = 16  # fewer held-out prompts leave tau's interval too wide to rank drafters
 
 
 def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
@@ -24,21 +27,26 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     run_cfg = load_run_config(run_dir) if (run_dir / "config.json").is_file() else cfg
     target = load_target(run_cfg.target.model, device=run_cfg.target.devices[0])
     drafter = DFlashDrafter.load(drafter_dir, target.model)
-    n = int(args.prompts) if args.prompts is not None else 8
+    n = int(args.prompts) if args.prompts is not None else DEFAULT_PROMPTS
     used = trained_conversation_ids(run_dir, run_cfg)
     prompts = heldout_prompts(target.tokenizer, n, seed=run_cfg.seed + 1, sample=run_cfg.workload.sample,
                               skip_ids=used, dataset=run_cfg.workload.dataset)
-    res = evaluate_acceptance(target, drafter, prompts, max_new_tokens=64)
+    res = evaluate_acceptance(target, drafter, prompts, max_new_tokens=run_cfg.train.eval_new_tokens)
     rates = ", ".join(f"{r:.2f}" for r in res["acceptance_rate_per_position"])
-    print(f"tau {res['tau']:.3f} over {res['steps']} verification steps, {res['num_prompts']} held-out prompts "
+    ci = res.get("tau_ci95") or [float("nan"), float("nan")]
+    print(f"tau {res['tau']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] (95%, bootstrap over prompts) over {res['steps']} "
+          f"verification steps, {res['num_prompts']} held-out prompts "
           f"({len(used)} training conversations excluded); {res['tokens_per_s']:.1f} tokens/s")
     print(f"acceptance rate per block position 1..{res['block_size'] - 1}: {rates}")
-    out = atomic_write_text(run_dir / "eval.json", json.dumps(clean_json(res), indent=1))
-    print(f"eval: {out}")
+    text = json.dumps(clean_json(res), indent=1)
+    for out in dict.fromkeys([run_dir / "eval.json", *([Path(args.json)] if args.json else [])]):
+        print(f"eval: {atomic_write_text(out, text)}")
     return 0
 
 
 VERB = Verb("acceptance length of a drafter", opts=(
         Opt("--drafter", "indir", "drafter checkpoint directory", required=True, metavar="DIR"),
-        Opt("--prompts", "int", "prompts to evaluate (>= 1)", lo=1, metavar="N"),
+        Opt("--prompts", "int", f"held-out prompts to evaluate (>= 1; default {DEFAULT_PROMPTS})", lo=1, metavar="N"),
+        Opt("--json", "outfile", "also write the result here: tau, tau_ci95, per-position acceptance, prompts",
+            metavar="FILE"),
     ))
