@@ -262,8 +262,11 @@ def within_goals(measured: dict[str, Any], se: dict[str, Any], predicted: dict[s
 def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[str], None] = print
                    ) -> dict[str, Any] | None:
     """Claim and run configurations until none is left; the summary when this worker can write it."""
+    from dflash.core.memory_model import check_fits
     from simulator.calibration import apply_calibration
 
+    base.cluster.check_trainable()  # before anything is written: a sharded target is simulator-only
+    check_fits(base)
     calibrated = apply_calibration(base, args.calibration)
     args.out.mkdir(parents=True, exist_ok=True)
     store = ClaimStore(args.claims_url, job_namespace(args, base))

@@ -39,6 +39,10 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     if resume == "finished":
         return 0
     check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
+    from dflash.core.memory_model import check_fits
+
+    cfg.cluster.check_trainable()  # a sharded target is simulator-only
+    check_fits(cfg)  # pre-flight: the devices hold the run (sweep.memory_budget_gib per device)
     if not under_launcher() or _is_first_rank():  # the data set and model path, once, before any rank starts
         from dflash.data.preflight import check_data_inputs
 
