@@ -21,8 +21,10 @@ if "$PY" -c "import torch" 2>/dev/null; then
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "install: GPU found, installing torch from PyPI (CUDA build)"
   pip_ "torch>=2.3"
-elif pip_ --no-index "torch==2.13.0" 2>/dev/null; then
-  echo "install: installed the local CPU build of torch 2.13.0"
+elif LOCAL_TORCH="$(ls /opt/wheels/torch-*+cpu-*.whl 2>/dev/null | tail -n 1)" && [ -n "$LOCAL_TORCH" ] \
+    && pip_ "$LOCAL_TORCH"; then
+  # by path: the wheel itself from disk, its small dependencies from the package index
+  echo "install: installed the local CPU build of torch ($(basename "$LOCAL_TORCH"))"
 else
   echo "install: no GPU, installing the CPU build of torch"
   pip_ --index-url https://download.pytorch.org/whl/cpu "torch>=2.3"
