@@ -31,6 +31,7 @@ from optuna.trial import TrialState
 
 from dflash.core.config import DflashConfig, QueueConfig
 from dflash.core.errors import ConfigError
+from dflash.core.named_configs import knobs_label
 from dflash.core.records import clean_json
 from tuning.evaluate import ATTR_METRICS, OBJECTIVES, Evaluation, Evaluator, constraint_values
 from tuning.select import (
@@ -514,11 +515,10 @@ def format_grid(study: optuna.Study, cfg: DflashConfig) -> str:
         cell[(t.params["pair"], t.params["policy"])] = t
     pairs = [f"{a}/{b}" for a, b in cfg.sweep.grid_pairs]
     policies = list(cfg.sweep.grid_policies)
-    marks = {"10/30": " (baseline)", "30/90": " (handpicked)"}
     out = ["sensitivity table: mix_efficiency ± se | tokens/s (mean over seeds)",
            f"  {'min/max':<18}" + "".join(f"{p:>26}" for p in policies)]
     for pair in pairs:
-        row = f"  {pair + marks.get(pair, ''):<18}"
+        row = f"  {knobs_label(*(int(x) for x in pair.split('/'))):<18}"
         for pol in policies:
             t = cell.get((pair, pol))
             if t is None:

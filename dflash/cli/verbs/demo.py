@@ -96,19 +96,19 @@ def demo_sweep(out: Path, cfg: DflashConfig, calibration: str | None) -> Path | 
     return Path(res["selection"])
 
 
-REFERENCE_CONFIGS = {"baseline": (10, 30), "handpicked": (30, 90)}  # DESIGN.md's named configs
 
 
 def demo_simulate(cfg: DflashConfig) -> None:
+    from dflash.core.named_configs import NAMED_CONFIGS
     from simulator.run import simulate
     from simulator.workload import make_sampler
 
     sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed)
     rows = []
-    for name, (min_ready, max_depth) in REFERENCE_CONFIGS.items():
-        c = with_overrides(cfg, {"queue.min_ready": min_ready, "queue.max_depth": max_depth})
+    for name, knobs in NAMED_CONFIGS.items():
+        c = with_overrides(cfg, {f"queue.{k}": v for k, v in knobs.items()})
         m = simulate(c, sampler, sim_seconds=3600.0).metrics
-        rows.append((f"{name} {min_ready}/{max_depth}", m))
+        rows.append((f"{name} {knobs['min_ready']}/{knobs['max_depth']}", m))
     print(f"{'config':<18}{'tokens/s':>10}{'mix_eff':>9}{'streak':>8}{'autocorr':>10}{'depth':>7}"
           f"{'peak GiB':>10}")
     for label, m in rows:
