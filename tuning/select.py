@@ -167,11 +167,10 @@ def importances(study: optuna.Study, objective_names: list[str]) -> dict[str, di
 
 
 def write_selection(path: Path, payload: dict[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=_jsonable))
-    tmp.replace(path)
-    return path
+    from dflash.core.atomic import atomic_write_text
+
+    # a fixed ".tmp" name let two sweeps writing one selection clobber each other's half-written file
+    return atomic_write_text(path, json.dumps(payload, indent=1, default=_jsonable))
 
 
 def _jsonable(x: Any) -> Any:
