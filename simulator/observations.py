@@ -25,16 +25,16 @@ column                meaning
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.core.config import DflashConfig, config_from_dict
+from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 from dflash.core.records import read_records
+from dflash.core.run_config import run_config_or_none
 from simulator.fit import DrafterObs, Observations, TargetObs
 from simulator.loss_model import StepMakeup, makeup_from_takes
 
@@ -74,19 +74,11 @@ def load_input(path: str | Path, index: int) -> RunData:
     raise ConfigError("--run", "must be a run directory or a .csv/.parquet timing log", str(p))
 
 
-def _run_config(p: Path) -> DflashConfig | None:
-    cfg_path = p / "config.json"
-    if not cfg_path.is_file():
-        return None
-    data = json.loads(cfg_path.read_text())
-    return config_from_dict({k: v for k, v in data.items() if v is not None})
-
-
 def _from_run(p: Path, index: int) -> RunData:
     produce = list(read_records(p, "produce"))
     takes = list(read_records(p, "take"))
     steps = {int(r["step"]): r.get("loss") for r in read_records(p, "step")}
-    cfg = _run_config(p)
+    cfg = run_config_or_none(p, "--run")
     obs = Observations()
     by_worker: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in produce:

@@ -5,28 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash.core.config import DflashConfig, config_from_dict
+from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
-
-
-def load_run_config(run: Path) -> DflashConfig:
-    """The config a `dflash train` run stored in its directory."""
-    path = run / "config.json"
-    if not path.is_file():
-        raise ConfigError("RUN_DIR", "must be a dflash train run directory (it has no config.json)", str(run))
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError("RUN_DIR", f"has a config.json that cannot be read as JSON ({type(exc).__name__}); "
-                          "the run directory is damaged", str(run)) from None
-    if not isinstance(data, dict):
-        raise ConfigError("RUN_DIR", "has a config.json that is not a JSON object; the run directory is damaged",
-                          str(run))
-    try:
-        return config_from_dict({k: v for k, v in data.items() if v is not None})
-    except (ValueError, TypeError, AttributeError) as exc:  # ConfigError is a ValueError
-        why = exc.line() if isinstance(exc, ConfigError) else type(exc).__name__
-        raise ConfigError("RUN_DIR", f"has a config.json that is not a valid config ({why})", str(run)) from None
+from dflash.core.run_config import load_run_config  # noqa: F401  (re-exported: dflash.cli.load_run_config)
 
 
 def drafter_dirs(path: Path, flag: str = "--drafter") -> tuple[Path, Path]:
