@@ -33,6 +33,7 @@ from typing import Any
 
 from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
+from dflash.core.precision import state_dtype_bytes
 from dflash.core.records import read_records
 from dflash.core.run_config import run_config_or_none
 from simulator.fit import DrafterObs, Observations, TargetObs
@@ -98,7 +99,7 @@ def _from_run(p: Path, index: int) -> RunData:
         table = cached_lengths(cfg.workload, model=cfg.target.model, progress=False)
         sampler = Sampler(table.lengths, cfg.workload, seed=cfg.seed, prompt_lengths=table.prompt_lengths or None)
         obs.capture_layers = cfg.target.capture_layers
-        obs.dtype_bytes = 4 if all(d == "cpu" for d in cfg.drafter.devices) else 2  # the trainer's state dtype
+        obs.dtype_bytes = state_dtype_bytes(cfg.drafter.devices)
     by_drafter: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in takes:
         by_drafter[int(r["drafter"])].append(r)
