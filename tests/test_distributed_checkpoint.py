@@ -94,7 +94,7 @@ def test_a_torn_ledger_line_is_not_a_commit(tmp_path: Path) -> None:
 
 def test_the_learning_rate_schedule_resumes_stretches_or_opens_a_new_phase() -> None:
     from dflash.core.config import TrainConfig
-    from dflash.pipeline.lr import LrSchedule
+    from dflash.pipeline.optim import LrSchedule
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
     first = LrSchedule(opt, TrainConfig(lr=1e-3, max_steps=8, warmup_ratio=0.25))

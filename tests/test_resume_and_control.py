@@ -120,7 +120,7 @@ def test_a_killed_run_resumes_and_trains_exactly_the_same_items(tmp_path: Path, 
     steps = [r["step"] for r in read_records(run, "step")]
     assert steps == list(range(len(steps)))  # the loss curve continues, no step twice
     summary = next(read_records(run, "summary"))
-    assert summary["produced"] == summary["trained"] + summary["discarded_at_stop"]
+    assert summary["produced"] == summary["trained"] + summary["skipped_no_anchors"] + summary["discarded_at_stop"]
     assert summary["replayed"] == len(meta["feed"]["pending"])
     assert len(summary["discarded_ids"]) == summary["discarded_at_stop"]
     lrs = [r["lr"] for r in read_records(run, "step")]

@@ -62,7 +62,6 @@ def test_extension_starts_a_new_phase_that_decays_at_its_own_end():
 
 @pytest.mark.parametrize(("kwargs", "key"), [
     ({"shape": "linear", "total_steps": 10}, "train.schedule"),
-    ({"total_steps": None, "budget_s": None}, "train.max_steps/train.max_minutes"),
     ({"total_steps": 10, "decay_frac": 0.0}, "train.decay_frac"),
     ({"total_steps": 10, "warmup_ratio": 0.9}, "train.warmup_ratio"),
     ({"total_steps": 10, "min_ratio": 1.5}, "train.min_lr_ratio"),
@@ -78,3 +77,12 @@ def test_a_schedule_ending_before_the_run_is_a_config_error():
         schedule_for(shape="cosine", max_steps=500, schedule_steps=300, max_minutes=None, warmup_ratio=0.04,
                      decay_frac=0.2, min_ratio=0.0)
     assert err.value.key == "train.schedule_steps"
+
+
+def test_open_ended_run_warms_up_then_holds_the_peak():
+    """No step limit, no time budget (the run ends with its data or a signal): never a decay to 0."""
+    from dflash.core.schedule import OPEN_WARMUP_STEPS
+
+    s = Schedule("wsd", total_steps=None, budget_s=None)
+    assert 0 < s.factor(0, 0.0) < s.factor(OPEN_WARMUP_STEPS // 2, 1.0) < 1.0
+    assert s.factor(OPEN_WARMUP_STEPS, 10.0) == 1.0 and s.factor(10**6, 10**6) == 1.0

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.core.errors import ConfigError
+from dflash.core.schedule import Schedule, schedule_for
 
 POLICIES = ("fullest", "fifo", "random_item", "random_bucket", "proportional")
 GATES = ("threshold", "hysteresis")
@@ -251,11 +252,17 @@ class DrafterConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation and stopping. ``schedule_steps`` is the cosine schedule's length: the steps of
-    the planned run (defaults to max_steps; a run stopped by time or data ends early on it)."""
+    """Optimisation and stopping. The learning-rate schedule (:mod:`dflash.core.schedule`) follows the
+    run's end: ``max_steps`` (or ``schedule_steps``, the planned length when it is longer) and/or
+    ``max_minutes`` of training time, whichever comes first. ``schedule`` is ``"wsd"`` (warm-up,
+    stable, decay over the last ``decay_frac``; the default, reported better than cosine for DFlash)
+    or ``"cosine"``; both end at ``min_lr_ratio`` x ``lr``."""
 
     lr: float = 6e-4
     warmup_ratio: float = 0.04
+    schedule: str = "wsd"
+    decay_frac: float = 0.2
+    min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
     max_steps: int | None = None
     max_minutes: float | None = None
@@ -288,6 +295,13 @@ class TrainConfig:
         if self.max_minutes is not None:
             check_float("train.max_minutes", self.max_minutes, 0.0, lo_open=True)
         check_int("train.checkpoint_every", self.checkpoint_every, 1)
+        self.lr_schedule()  # shape, decay_frac, min_lr_ratio, and no schedule that ends before max_steps
+
+    def lr_schedule(self) -> Schedule:
+        """The schedule of this run's limits (validated here, built by both trainers from here)."""
+        return schedule_for(shape=self.schedule, max_steps=self.max_steps, schedule_steps=self.schedule_steps,
+                            max_minutes=self.max_minutes, warmup_ratio=self.warmup_ratio,
+                            decay_frac=self.decay_frac, min_ratio=self.min_lr_ratio)
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,23 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from dflash.core.config import WorkloadConfig
+from dflash.core.config import DflashConfig, WorkloadConfig
 
 # Epoch orders kept formed: workers read the current epoch and (at resume, replay) a few earlier ones.
 # More only costs memory: a simulated week of training walks hundreds of epochs (benchmarks/sim_memory.py).
 EPOCH_CACHE = 16
+
+
+def has_anchor(length: int, prompt_length: int, max_len: int, block_size: int) -> bool:
+    """Whether a sequence has an eligible anchor under the drafter's rule (``loss_mask[p]`` and
+    ``p <= len - B``, :func:`dflash.model.drafter.sample_anchors`) once truncated at ``max_len``.
+
+    The response tokens start at ``prompt_length`` (the tokens before the first response token) and
+    the first response is never empty (its end-of-turn token is a response token), so the earliest
+    response token decides: one exists at ``p <= len - B`` iff ``prompt_length <= min(length,
+    max_len) - block_size``. A sequence without one would cost a target forward and train nothing.
+    """
+    return prompt_length <= min(length, max_len) - block_size
 
 
 def bucket_of(length: int, bounds: Sequence[int]) -> int:
@@ -54,11 +66,14 @@ def parse_item_id(item_id: str) -> tuple[int, int, int]:
 class Sampler:
     """Forms and orders items over token lengths; one epoch at a time, forever.
 
-    ``lengths`` are real token counts per sequence; they are clipped to ``workload.max_len``.
+    ``lengths`` are real token counts per sequence; they are clipped to ``workload.max_len``. With
+    ``prompt_lengths`` and the drafter's ``block_size``, sequences with no eligible anchor
+    (:func:`has_anchor`) are left out of every item and counted in ``dropped_no_anchor``: the
+    trainer and the simulator, given the same lengths, drop the same sequences.
     """
 
     def __init__(self, lengths: Sequence[int], workload: WorkloadConfig, seed: int = 0,
-                 prompt_lengths: Sequence[int] | None = None) -> None:
+                 prompt_lengths: Sequence[int] | None = None, block_size: int | None = None) -> None:
         if not lengths:
             raise ValueError("the sampler needs at least one sequence length")
         if any(int(n) < 1 for n in lengths):
@@ -72,7 +87,15 @@ class Sampler:
         # anchor counts use them.
         self.prompt_lengths = [int(n) for n in prompt_lengths] if prompt_lengths else None
         self.seq_bucket = [bucket_of(n, self.bounds) for n in self.lengths]
-        self._by_bucket = [[i for i, b in enumerate(self.seq_bucket) if b == bk]
+        keep = [True] * len(self.lengths)
+        if self.prompt_lengths is not None and block_size is not None:
+            keep = [has_anchor(n, p, workload.max_len, block_size)
+                    for n, p in zip(self.lengths, self.prompt_lengths, strict=True)]
+            if not any(keep):
+                raise ValueError(f"no sequence has an anchor position (a response token with room for a block of "
+                                 f"{block_size} within max_len {workload.max_len})")
+        self.dropped_no_anchor = keep.count(False)
+        self._by_bucket = [[i for i, b in enumerate(self.seq_bucket) if b == bk and keep[i]]
                            for bk in range(self.n_buckets)]
         # Epochs are formed once and kept: a sweep runs many simulations over one sampler.
         self._epoch = lru_cache(maxsize=EPOCH_CACHE)(self._form_epoch)
@@ -175,3 +198,11 @@ class Sampler:
         counts = [len(s) for s in self._by_bucket]
         total = sum(counts)
         return [c / total for c in counts]
+
+
+def sampler_for(cfg: DflashConfig, lengths: Sequence[int], prompt_lengths: Sequence[int] | None) -> Sampler:
+    """The run's sampler: the one home for how a run forms its items, so that the trainer, the
+    simulator and every reader of a run's item ids (held-out evaluation) form the same items from the
+    same lengths, dropping the same anchor-less sequences (``cfg.drafter.block_size``)."""
+    return Sampler(lengths, cfg.workload, seed=cfg.seed, prompt_lengths=prompt_lengths or None,
+                   block_size=cfg.drafter.block_size)

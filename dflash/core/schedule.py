@@ -10,12 +10,14 @@ step 1,000 of a longer run). Two shapes:
 - ``wsd`` (warm-up, stable, decay; reported better than cosine for DFlash by TorchSpec): the peak
   holds until the last ``decay_frac`` of the run, then decays linearly to ``min_ratio``.
 
-Neither reaches ``min_ratio`` before progress 1, and with ``min_ratio = 0`` the factor is still > 0
-on every step that runs (the last step starts before progress 1). Time is training time counted
-across resumes (the checkpoint keeps it), so resume continues the schedule exactly. Extending a
-finished run opens a new *phase*: progress restarts from the extension's first step and time, with a
-short re-warm-up, and the extension decays at its own end. Pure and torch-free: the trainer wraps it
-in a LambdaLR-like step, tests drive it with a stub clock.
+A run with neither limit (it ends with its data or a signal) warms up over ``OPEN_WARMUP_STEPS``
+steps and then holds the peak. Neither shape reaches ``min_ratio`` before progress 1, and with
+``min_ratio = 0`` the factor is still > 0 on every step that runs (the last step starts before
+progress 1). Time is training time counted across resumes (the checkpoint keeps it), so resume
+continues the schedule exactly. Extending a finished run opens a new *phase*: progress restarts from
+the extension's first step and time, with a short re-warm-up, and the extension decays at its own
+end. Pure and torch-free: the trainer wraps it in a LambdaLR-like step, tests drive it with a stub
+clock.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from dflash.core.errors import ConfigError
 
 SHAPES = ("cosine", "wsd")
+OPEN_WARMUP_STEPS = 100  # warm-up of a run with no step limit and no time budget (its peak then holds)
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,6 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
             raise ConfigError("train.schedule", f"must be one of {', '.join(SHAPES)}", self.shape)
-        if self.total_steps is None and self.budget_s is None:
-            raise ConfigError("train.max_steps/train.max_minutes", "a schedule needs a step limit or a time budget",
-                              show_got=False)
         if self.total_steps is not None and self.total_steps <= self.start_step:
             raise ConfigError("train.max_steps", f"must be > the phase's first step {self.start_step}",
                               self.total_steps)
@@ -56,8 +56,15 @@ class Schedule:
             if not lo <= v <= hi or (key == "train.decay_frac" and v == 0.0):
                 raise ConfigError(key, f"must be in {'(' if key == 'train.decay_frac' else '['}{lo}, {hi}]", v)
 
+    @property
+    def open_ended(self) -> bool:
+        """No step limit and no time budget (a run that ends with its data or a signal): no decay."""
+        return self.total_steps is None and self.budget_s is None
+
     def progress(self, step: int, elapsed_s: float) -> float:
         """How far this phase is towards its end, in [0, 1]: the limit nearest to being reached decides."""
+        if self.open_ended:
+            return 0.0
         fractions = []
         if self.total_steps is not None:
             fractions.append((step - self.start_step) / (self.total_steps - self.start_step))
@@ -67,6 +74,8 @@ class Schedule:
 
     def factor(self, step: int, elapsed_s: float) -> float:
         """The learning rate of ``step`` (started at training time ``elapsed_s``) over the peak."""
+        if self.open_ended:  # warm-up by steps, then the peak holds: there is no end to decay towards
+            return min(1.0, (step - self.start_step + 1) / OPEN_WARMUP_STEPS) if self.warmup_ratio > 0 else 1.0
         p = self.progress(step, elapsed_s)
         warm = self._warmup(p)
         if warm < 1.0:

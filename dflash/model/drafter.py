@@ -34,7 +34,8 @@ itself, in both directions; nothing of any other block. That is one boolean mask
 only where ``a + k`` is inside the sequence and ``loss_mask[a + k]`` is 1 (upstream's convention: the
 drafter learns the response only, never the user's text, which the target does not generate).
 :meth:`DFlashDrafter.loss` returns the weighted *sum* and the counts, so that data-parallel workers
-and gradient accumulation can divide by the global token count (:func:`normalised_loss`).
+and gradient accumulation can divide by the global sum of the weights of the counted positions, as
+upstream (SpecForge) normalises (:func:`normalised_loss`): the weighted mean of the cross-entropy.
 """
 
 from __future__ import annotations
@@ -353,9 +354,9 @@ class DraftLoss:
     anchors: int
     correct: int
 
-    def mean(self, by: str = "tokens") -> torch.Tensor:
-        """This forward's own mean (for logging, or when it is the whole global batch);
-        ``by`` is ``"tokens"`` (upstream's average over valid tokens) or ``"weights"``."""
+    def mean(self, by: str = "weights") -> torch.Tensor:
+        """This forward's own mean (for logging, or when it is the whole global batch); ``by`` is
+        ``"weights"`` (upstream's: the sum of the weights of the valid positions) or ``"tokens"``."""
         if by not in ("tokens", "weights"):
             raise ValueError(f"by must be 'tokens' or 'weights', got {by!r}")
         return normalised_loss(self.loss_sum, self.tokens if by == "tokens" else self.weight_sum)
@@ -363,8 +364,8 @@ class DraftLoss:
 
 def normalised_loss(loss_sum: torch.Tensor, denominator: float) -> torch.Tensor:
     """``loss_sum / denominator``, where the denominator is the GLOBAL count over every worker and
-    accumulation micro-step of the optimizer step (tokens by default, as upstream averages over valid
-    tokens; the weight sum is the alternative). A zero denominator gives a zero loss that still
+    accumulation micro-step of the optimizer step (the weight sum, as upstream normalises; the token
+    count is the alternative). A zero denominator gives a zero loss that still
     backpropagates (zeros), so a worker with no anchors takes part in a synchronised step."""
     return loss_sum / denominator if denominator > 0 else loss_sum * 0.0
 

@@ -185,7 +185,7 @@ class RankRun:
 
     def _build_drafter(self) -> None:
         from dflash.model.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
-        from dflash.pipeline.lr import LrSchedule
+        from dflash.pipeline.optim import LrSchedule, build_optimizer
 
         cfg = self.cfg
         spec = DrafterSpec.from_target_config(self.target.config, target_layer_ids=self.layer_ids,
@@ -198,7 +198,7 @@ class RankRun:
             buf = t.detach().to(self.reduce_device)
             dist.broadcast(buf, src=self.roles.coordinator_rank, group=self.drafter_group)
             t.data.copy_(buf)
-        self.optimizer = torch.optim.AdamW(self.drafter.trainable_parameters(), lr=cfg.train.lr)
+        self.optimizer = build_optimizer(self.drafter.trainable_parameters(), cfg.train)
         self.scheduler = LrSchedule(self.optimizer, cfg.train)
 
     def _host_setup(self) -> dict[str, Any]:

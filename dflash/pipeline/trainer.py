@@ -33,7 +33,7 @@ from dflash.core.config import DflashConfig
 from dflash.core.queue_core import QueueItem
 from dflash.core.records import RecordWriter, clean_json, export_parquet, read_records
 from dflash.core.runmetrics import RunTrace, loss_roughness, run_metrics
-from dflash.core.sampler import ItemSpec, Sampler
+from dflash.core.sampler import ItemSpec, sampler_for
 from dflash.pipeline.checkpoint import (
     ControlWatch,
     ItemFeed,
@@ -70,19 +70,29 @@ class TrainingData:
         self.max_len = w.max_len
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
-        lengths = [int(self.encode(i)[0].numel()) for i in range(len(conversations))] \
-            if len(conversations) <= 2000 else self._cached_lengths(cfg)
-        self.sampler = Sampler(lengths, w, seed=cfg.seed)
+        lengths, prompts = self._encoded_lengths() if len(conversations) <= 2000 else self._cached_lengths(cfg)
+        # Sequences without an eligible anchor are dropped by the sampler (trained nothing, cost a forward).
+        self.sampler = sampler_for(cfg, lengths, prompts)
 
-    def _cached_lengths(self, cfg: DflashConfig) -> list[int]:
-        """Untruncated lengths from the length cache (the same tokenisation, without re-encoding)."""
+    def _encoded_lengths(self) -> tuple[list[int], list[int]]:
+        """Lengths (truncated) and tokens before the first response token, from the encodings themselves."""
+        lengths, prompts = [], []
+        for i in range(len(self.conversations)):
+            ids, mask = self.encode(i)
+            hits = torch.nonzero(mask, as_tuple=False)
+            lengths.append(int(ids.numel()))
+            prompts.append(int(hits[0]) if hits.numel() else int(ids.numel()))
+        return lengths, prompts
+
+    def _cached_lengths(self, cfg: DflashConfig) -> tuple[list[int], list[int] | None]:
+        """Untruncated lengths and prompt lengths from the length cache (the same tokenisation, no re-encoding)."""
         from dflash.data.lengths import cached_lengths
 
         table = cached_lengths(cfg.workload, model=cfg.target.model)
         ids = [c.id for c in self.conversations]
         if list(table.ids) != ids:
             raise RuntimeError("the length cache does not match the data set's conversations")
-        return list(table.lengths)
+        return list(table.lengths), list(table.prompt_lengths) or None
 
     def encode(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         from dflash.model.target import encode_conversation
@@ -96,16 +106,6 @@ class TrainingData:
         return hit
 
 
-def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
-    """LR factor: linear warm-up, then cosine to zero at ``total`` (held at 0 beyond it)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / (total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 class Trainer:
     """One training run. ``target`` (a LoadedTarget) and ``conversations`` may be injected (tests)."""
 
@@ -114,6 +114,7 @@ class Trainer:
                  run_id: str | None = None, resume: bool = False, wandb_mode: str = "disabled") -> None:
         from dflash.model.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
         from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
+        from dflash.pipeline.optim import LrSchedule, build_optimizer
 
         self.cfg = cfg
         self.out = Path(out_dir)
@@ -144,16 +145,18 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.drafter = DFlashDrafter.from_target(self.target.model, spec, device=self.drafter_device,
                                                  dtype=torch.float32)
-        self.optimizer = torch.optim.AdamW(self.drafter.trainable_parameters(), lr=cfg.train.lr)
-        total = cfg.train.schedule_steps or cfg.train.max_steps or 1000
-        warmup = int(cfg.train.warmup_ratio * total)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: cosine_with_warmup(s, warmup, total))
+        self.optimizer = build_optimizer(self.drafter.trainable_parameters(), cfg.train)
+        self.scheduler = LrSchedule(self.optimizer, cfg.train)
+        self.elapsed_before_s = 0.0  # training time of earlier sessions (from the checkpoint)
+        self.new_phase: dict[str, Any] | None = None  # a schedule phase opened by extending a finished run
+        self.skipped_no_anchors = 0  # items taken whose sequences had no anchor: no step, not trained
+        self.clock: Callable[[], float] = time.perf_counter  # training time (tests drive it with a stub)
+        self._wall0 = self.clock()
         self.anchor_gen = torch.Generator().manual_seed(cfg.seed)
         self.queue = HSQueue(cfg.queue, self.sampler.n_buckets, mix=self.sampler.item_mix(), seed=cfg.seed)
         self.start_step = 0
         self._control_serial = 0
-        self.before: dict[str, int] = {"trained": 0}  # counts carried over from a checkpoint
+        self.before: dict[str, int] = {"trained": 0, "skipped_no_anchors": 0}  # carried over from a checkpoint
         self.trained_conversations: set[str] = set()  # kept out of the acceptance-length prompts
         feed_state: dict[str, Any] = {"epoch": 0, "index": 0, "pending": []}
         if resume:
@@ -186,7 +189,8 @@ class Trainer:
                    "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
         meta = {"step": step, "t": self.queue.now(), "run_id": self.run_id, "feed": self.feed.state(),
                 "queue_core": self.queue._core.state_dict(), "queue_config": dict(self.queue.config.__dict__),
-                "trained": self.before["trained"] + self.queue.stats()["trained"],
+                "trained": self._trained_and_skipped()[0], "skipped_no_anchors": self._trained_and_skipped()[1],
+                "elapsed_s": self.training_s(),
                 "replayed": self.before.get("replayed", 0) + self.feed.replayed,
                 "control_serial": self._control_serial}
         return write_checkpoint(self.out, tensors, meta)
@@ -201,7 +205,6 @@ class Trainer:
         tensors = load_state(ckpt)
         self.drafter.load_state_dict(tensors["drafter"])
         self.optimizer.load_state_dict(tensors["optimizer"])
-        self.scheduler.load_state_dict(tensors["scheduler"])
         self.anchor_gen.set_state(tensors["anchor_gen"])
         torch.set_rng_state(tensors["torch_rng"])
         random.setstate(tensors["python_rng"])
@@ -211,7 +214,12 @@ class Trainer:
         self.queue._core.load_state_dict(meta["queue_core"])
         self.start_step = int(meta["step"]) + 1
         self._control_serial = int(meta.get("control_serial", 0))
-        self.before = {"trained": int(meta["trained"]), "replayed": int(meta.get("replayed", 0))}
+        self.before = {"trained": int(meta["trained"]), "replayed": int(meta.get("replayed", 0)),
+                       "skipped_no_anchors": int(meta.get("skipped_no_anchors", 0))}
+        self.elapsed_before_s = float(meta.get("elapsed_s", 0.0))
+        if "schedule" in tensors["scheduler"]:  # (a checkpoint from before the schedule lived here starts anew)
+            self.new_phase = self.scheduler.load_state_dict(tensors["scheduler"], step=self.start_step,
+                                                            elapsed_s=self.elapsed_before_s, train=self.cfg.train)
         dropped = truncate_after_step(self.out, int(meta["step"]))
         taken = [i for r in read_records(self.out, "take") for i in r["item_ids"]]
         self.trained_conversations = {self.data.conversations[k].id for k in self.sampler.sequences_of(taken)}
@@ -321,7 +329,7 @@ class Trainer:
         """One synchronised step over every drafter worker; None when the data is drained."""
         takes: list[tuple[list[QueueItem], float, int, int, int]] = []  # items, compute_s, counted, anchors, d
         self._step_stages = {}
-        loss_sum, counted, anchors = 0.0, 0, 0
+        loss_sum, weight, counted, anchors = 0.0, 0.0, 0, 0
         for d in range(self.cfg.cluster.n_drafter):
             t0 = time.perf_counter()
             items = self.queue.take(drafter=d, step=step, timeout=QUEUE_WAIT_S)
@@ -329,7 +337,7 @@ class Trainer:
             if items is None:
                 continue
             t1 = time.perf_counter()
-            w_loss, w_tokens, w_anchors = 0.0, 0, 0
+            w_loss, w_weight, w_tokens, w_anchors = 0.0, 0.0, 0, 0
             for item in items:
                 hidden, input_ids, attention_mask, loss_mask = item.payload
                 tf = time.perf_counter()
@@ -337,38 +345,55 @@ class Trainer:
                     out = self.drafter.loss(hidden, input_ids, loss_mask, attention_mask, generator=self.anchor_gen)
                 self._timed("drafter_forward_s", tf)
                 tb = time.perf_counter()
-                out.loss_sum.backward()  # unnormalised; divided by the global count below
+                out.loss_sum.backward()  # unnormalised; divided by the global weight below
                 self._timed("backward_s", tb)
                 w_loss += float(out.loss_sum.detach())
+                w_weight += out.weight_sum
                 w_tokens += out.tokens
                 w_anchors += out.anchors
             compute = time.perf_counter() - t1
             loss_sum += w_loss
+            weight += w_weight
             counted += w_tokens
             anchors += w_anchors
             takes.append((items, compute, w_tokens, w_anchors, d))
         if not takes:
             return None
+        if weight <= 0:  # no anchor in any take: no optimizer step, the schedule does not advance
+            self.optimizer.zero_grad(set_to_none=True)
+            self._finish_takes(takes)
+            return {"takes": takes, "skipped": True}
         to = time.perf_counter()
-        if counted > 0:
-            for p in self.drafter.trainable_parameters():
-                if p.grad is not None:
-                    p.grad.div_(counted)
+        for p in self.drafter.trainable_parameters():
+            if p.grad is not None:
+                p.grad.div_(weight)  # upstream's normalisation: the sum of the weights of the valid positions
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.trainable_parameters(),
                                                          self.cfg.train.grad_clip))
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.at(step, self.training_s())
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._timed("optimizer_s", to)
+        self._finish_takes(takes)
+        return {"takes": takes, "loss": loss_sum / weight, "counted": counted,
+                "anchors": anchors, "lr": lr, "grad_norm": grad_norm,
+                "tokens": sum(i.real_tokens for items, *_ in takes for i in items)}
+
+    def _finish_takes(self, takes: list[tuple[list[QueueItem], float, int, int, int]]) -> None:
         for items, *_ in takes:
             self.queue.task_done(items)
             self.feed.trained(i.item_id for i in items)
             self.trained_conversations.update(
                 self.data.conversations[k].id for k in self.sampler.sequences_of(i.item_id for i in items))
-        return {"takes": takes, "loss": loss_sum / counted if counted else math.nan, "counted": counted,
-                "anchors": anchors, "lr": lr, "grad_norm": grad_norm,
-                "tokens": sum(i.real_tokens for items, *_ in takes for i in items)}
+
+    def _trained_and_skipped(self) -> tuple[int, int]:
+        """Items trained and items skipped for want of anchors, every session (the queue counts both as done)."""
+        done = self.queue.stats()["trained"]
+        return (self.before["trained"] + done - self.skipped_no_anchors,
+                self.before["skipped_no_anchors"] + self.skipped_no_anchors)
+
+    def training_s(self) -> float:
+        """Training time of the run, every session (what ``max_minutes`` and the schedule count)."""
+        return self.elapsed_before_s + self.clock() - self._wall0
 
     def _write_takes(self, step_out: dict[str, Any]) -> None:
         """Take records: the queue's own log entries plus what only the drafter knows (compute)."""
@@ -420,12 +445,15 @@ class Trainer:
         losses: list[float] = []
         step = self.start_step
         wall0 = time.perf_counter()
+        self._wall0 = self.clock()
         last_log = wall0
         stopped_by = "data"
         interval_tokens = interval_seqs = 0
         self._health_prev: dict[str, Any] | None = None
         self._health_t = self.queue.now()
         self._install_signal_handlers()
+        if self.new_phase is not None:
+            self.progress(f"learning-rate schedule: a new phase for the extended run: {self.new_phase}")
         with self._records_lock:
             self.records.write("control", t=self.queue.now(), accepted=True, step=step,
                                change={"start": dict(cfg.queue.__dict__)},
@@ -437,7 +465,7 @@ class Trainer:
             if max_steps is not None and step >= max_steps:
                 stopped_by = "max_steps"
                 break
-            if max_s is not None and time.perf_counter() - wall0 >= max_s:
+            if max_s is not None and self.training_s() >= max_s:
                 stopped_by = "max_minutes"
                 break
             self.poll_control(step)
@@ -447,6 +475,10 @@ class Trainer:
                 raise RuntimeError("a target worker failed") from self._errors[0]
             if out is None:
                 break
+            if out.get("skipped"):  # a take without anchors: counted, not a step
+                self.skipped_no_anchors += sum(len(items) for items, *_ in out["takes"])
+                self.queue.drain_take_log()
+                continue
             out["step"] = step
             step_s = time.perf_counter() - ts
             interval_tokens += out["tokens"]
@@ -487,9 +519,9 @@ class Trainer:
         if self._errors:
             raise RuntimeError("a target worker failed") from self._errors[0]
         stats = self.queue.stats()
-        trained = self.before["trained"] + stats["trained"]
-        summary = {"produced": self.before["trained"] + stats["produced"], "trained": trained,
-                   "discarded_at_stop": stats["discarded_at_stop"],
+        trained, skipped = self._trained_and_skipped()
+        summary = {"produced": self.before["trained"] + self.before["skipped_no_anchors"] + stats["produced"],
+                   "trained": trained, "skipped_no_anchors": skipped, "discarded_at_stop": stats["discarded_at_stop"],
                    "replayed": self.before.get("replayed", 0) + self.feed.replayed, "steps": step,
                    "stopped_by": stopped_by, "wall_s": time.perf_counter() - wall0,
                    "discarded_ids": [i.item_id for i in discarded] + self._refused_ids, "queue_stats": stats,

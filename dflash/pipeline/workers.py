@@ -191,6 +191,7 @@ class Producer:
 class StepResult:
     takes: list[dict[str, Any]] = field(default_factory=list)
     loss_sum: float = 0.0
+    weight_sum: float = 0.0  # sum of the slot weights of the counted positions: the loss's denominator
     tokens: int = 0
     anchors: int = 0
     n_items: int = 0
@@ -228,16 +229,16 @@ class DrafterWorker:
         res.stages["gate_wait_s"] = time.perf_counter() - t0
         if reply["op"] == "assign":
             res.takes.append(self._train_take(step, reply["transfers"], res))
-        stats = torch.tensor([res.loss_sum, res.tokens, res.anchors, res.n_items, res.real_tokens],
+        stats = torch.tensor([res.loss_sum, res.weight_sum, res.tokens, res.anchors, res.n_items, res.real_tokens],
                              dtype=torch.float64, device=self.reduce_device)
         t1 = time.perf_counter()
         dist.all_reduce(stats, group=self.group)
-        loss_sum, tokens, anchors, n_items, real_tokens = (float(x) for x in stats.tolist())
+        loss_sum, weight_sum, tokens, anchors, n_items, real_tokens = (float(x) for x in stats.tolist())
         if n_items == 0:
             return None
-        grad_norm, lr = self._apply_gradients(tokens)
+        grad_norm, lr = self._apply_gradients(weight_sum)
         res.stages["optimizer_s"] = time.perf_counter() - t1
-        info = {"loss": loss_sum / tokens if tokens > 0 else math.nan, "lr": lr, "anchors": int(anchors),
+        info = {"loss": loss_sum / weight_sum if weight_sum > 0 else math.nan, "lr": lr, "anchors": int(anchors),
                 "tokens": int(real_tokens), "counted_tokens": int(tokens), "grad_norm": grad_norm,
                 "items": int(n_items)}
         return res, info
@@ -265,6 +266,7 @@ class DrafterWorker:
             take["anchors"] += int(out.anchors)
             take["counted_tokens"] += int(out.tokens)
             res.loss_sum += float(out.loss_sum.detach())
+            res.weight_sum += float(out.weight_sum)
             res.tokens += int(out.tokens)
             res.anchors += int(out.anchors)
             res.n_items += 1

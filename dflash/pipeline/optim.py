@@ -1,19 +1,33 @@
-"""The drafter ranks' learning rate: :mod:`dflash.core.schedule` on the run's steps and training time.
+"""The drafter's optimizer and learning rate: one home for both trainers (in-process and ranks).
 
-Every drafter rank sets the same rate for a step because the step and the training time come from
-the ranks' shared stop agreement (the host's clock, all-reduced). Training time and the schedule's
-phase live in the checkpoint, so a resumed run continues the schedule exactly; a finished run given
-a larger ``--max-steps`` (or ``--max-minutes``) opens a new phase (a re-warm-up and its own decay).
+The optimizer is upstream DFlash's (SpecForge's ``BF16Optimizer`` over ``torch.optim.AdamW``): weight
+decay 0 and torch's default betas (0.9, 0.999), eps 1e-8. The learning rate follows
+:mod:`dflash.core.schedule` on the run's steps and training time: every drafter rank sets the same
+rate for a step because the step and the training time come from the ranks' shared stop agreement
+(the host's clock, all-reduced). Training time and the schedule's phase live in the checkpoint, so
+a resumed run continues the schedule exactly; a finished run given a larger ``--max-steps`` (or
+``--max-minutes``) opens a new phase (a re-warm-up and its own decay).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
-from dflash.core.config import TrainConfig
-from dflash.core.schedule import Schedule, schedule_for
+import torch
 
-SHAPE = "cosine"  # the trainer's shape (the in-process trainer's cosine with warm-up)
+from dflash.core.config import TrainConfig
+from dflash.core.schedule import Schedule
+
+BETAS = (0.9, 0.999)  # torch's AdamW defaults, as upstream trains with
+WEIGHT_DECAY = 0.0  # upstream's (SpecForge BF16Optimizer default; REFERENCE.md's recipe)
+EPS = 1e-8
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], train: TrainConfig) -> torch.optim.AdamW:
+    """AdamW at the schedule's peak ``train.lr`` (the schedule scales it per step)."""
+    return torch.optim.AdamW(list(params), lr=train.lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
 
 class LrSchedule:
@@ -22,11 +36,9 @@ class LrSchedule:
     def __init__(self, optimizer: Any, train: TrainConfig) -> None:
         self.optimizer = optimizer
         self.peak = train.lr
-        self.schedule = schedule_for(shape=SHAPE, max_steps=train.max_steps or (None if train.max_minutes else 1000),
-                                     schedule_steps=train.schedule_steps, max_minutes=train.max_minutes,
-                                     warmup_ratio=train.warmup_ratio, decay_frac=0.2, min_ratio=0.0)
+        self.schedule = train.lr_schedule()
         self.elapsed_s = 0.0  # training time before this session (from the checkpoint)
-        self._lr = self.peak * self.schedule.factor(0, 0.0)
+        self._lr = self.at(0, 0.0)
 
     def at(self, step: int, elapsed_s: float) -> float:
         self._lr = self.peak * self.schedule.factor(step, elapsed_s)
@@ -50,8 +62,6 @@ class LrSchedule:
         A phase that is over (its step limit or time budget reached) and limits that grew open a new
         phase from here; limits that grew before the phase ended stretch it; the same limits continue it.
         """
-        import dataclasses
-
         s = Schedule.from_state(state["schedule"])
         self.elapsed_s = elapsed_s
         total = train.schedule_steps or train.max_steps
