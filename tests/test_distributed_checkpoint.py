@@ -97,7 +97,7 @@ def test_the_learning_rate_schedule_resumes_stretches_or_opens_a_new_phase() -> 
     from dflash.pipeline.optim import LrSchedule
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
-    first = LrSchedule(opt, TrainConfig(lr=1e-3, max_steps=8, warmup_ratio=0.25))
+    first = LrSchedule(opt, TrainConfig(lr=1e-3, max_steps=8, warmup_ratio=0.25, schedule="cosine"))
     lrs = [first.at(s, 0.0) for s in range(8)]
     assert lrs[0] == pytest.approx(1e-3 / 2) and max(lrs) == pytest.approx(1e-3) and lrs[-1] < 1e-4
     state = first.state_dict()

@@ -59,20 +59,23 @@ class LrSchedule:
                         train: TrainConfig) -> dict[str, Any] | None:
         """Restore the phase for the run's limits now; returns the new phase when one opens (an extension).
 
-        A phase that is over (its step limit or time budget reached) and limits that grew open a new
-        phase from here; limits that grew before the phase ended stretch it; the same limits continue it.
+        The same limits continue the phase exactly. A phase that is over (its step limit or time budget
+        reached) given limits that leave room opens a new phase from here (its own warm-up and decay);
+        changed limits before the phase's end move its end (stretch, shrink, or drop a limit).
         """
         s = Schedule.from_state(state["schedule"])
         self.elapsed_s = elapsed_s
         total = train.schedule_steps or train.max_steps
         budget = None if train.max_minutes is None else 60.0 * train.max_minutes
-        grew = (total is not None and s.total_steps is not None and total > s.total_steps) or \
-            (budget is not None and s.budget_s is not None and budget > s.budget_s)
-        if not grew:
+        if (total, budget) == (s.total_steps, s.budget_s):
             self.schedule = s
             return None
-        if s.progress(step, elapsed_s) >= 1.0:  # the phase is over: a new one, with its own warm-up and decay
+        room = (total is None or total > step) and (budget is None or budget > elapsed_s)
+        if s.progress(step, elapsed_s) >= 1.0 and room:
             self.schedule = s.extended(step, elapsed_s, total_steps=total, budget_s=budget)
             return self.schedule.state_dict()
+        if not room:  # nothing left to train (the run stops at once): keep the phase as it was
+            self.schedule = s
+            return None
         self.schedule = dataclasses.replace(s, total_steps=total, budget_s=budget)
         return None
