@@ -31,6 +31,8 @@ POLL_S = 10.0
 
 def run(config: str, minutes: float, out: Path, points: int) -> int:
     """The training run plus snapshots at k/points of its budget; returns the run's exit status."""
+    from dflash.pipeline.checkpoint import checkpoint_dirs  # imported now: the code may change while it runs
+
     run_dir, snaps = out / "run", out / "snapshots"
     snaps.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "dflash", "train", "--config", config, "--max-minutes", str(minutes),
@@ -45,7 +47,8 @@ def run(config: str, minutes: float, out: Path, points: int) -> int:
                 t0 = time.time()
             if t0 is None or taken >= points - 1:
                 continue
-            if time.time() - t0 >= (taken + 1) * minutes * 60 / points and _snapshot(run_dir, snaps, taken + 1, t0):
+            due = time.time() - t0 >= (taken + 1) * minutes * 60 / points
+            if due and _snapshot(checkpoint_dirs(run_dir), snaps, taken + 1, t0):
                 taken += 1
     if (run_dir / "drafter").is_dir():
         final = snaps / f"p{points}"
@@ -55,11 +58,9 @@ def run(config: str, minutes: float, out: Path, points: int) -> int:
     return proc.returncode
 
 
-def _snapshot(run_dir: Path, snaps: Path, k: int, t0: float) -> bool:
+def _snapshot(ckpts: list[Path], snaps: Path, k: int, t0: float) -> bool:
     """Copy the newest complete checkpoint's state (a checkpoint may be replaced while we copy: retry)."""
-    from dflash.pipeline.checkpoint import checkpoint_dirs
-
-    for ckpt in reversed(checkpoint_dirs(run_dir)):
+    for ckpt in reversed(ckpts):
         dest = snaps / f"p{k}"
         try:
             dest.mkdir(parents=True, exist_ok=True)
