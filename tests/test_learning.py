@@ -144,3 +144,24 @@ def test_first_step_loss_of_a_fresh_drafter_on_smollm2_is_below_15() -> None:
         out = drafter.loss(ctx, input_ids, loss_mask, attention_mask, generator=torch.Generator().manual_seed(0))
     loss = float(out.mean())  # upstream's normalisation: the weighted mean
     assert out.anchors > 0 and loss < 15.0, loss
+
+
+def test_a_take_without_anchors_is_skipped_and_counted_not_a_step(tmp_path, target, conversations,
+                                                                   monkeypatch) -> None:
+    """Should a take still hold no anchor (here: the sampler told not to drop), it is no optimizer step:
+    counted as skipped_no_anchors, no step record, the books balance with it."""
+    import dflash.pipeline.trainer as trainer_mod
+    from dflash.core.sampler import Sampler
+
+    monkeypatch.setattr(trainer_mod, "sampler_for", lambda cfg, lengths, prompts: Sampler(lengths, cfg.workload,
+                                                                                           seed=cfg.seed))
+    empty = [Conversation(id=f"noresp-{i}", messages=(("user", c.messages[0][1] * 20), ("assistant", "ok")))
+             for i, c in enumerate(conversations[:16])]
+    res = Trainer(tiny_cfg(epochs=1), tmp_path, target=target, conversations=conversations[16:] + empty,
+                  progress=None).run()
+    s = res.summary
+    steps = list(read_records(tmp_path, "step"))
+    assert s["skipped_no_anchors"] >= 1 and all(r["anchors"] > 0 for r in steps)
+    assert [r["step"] for r in steps] == list(range(s["steps"]))
+    assert s["produced"] == s["trained"] + s["skipped_no_anchors"] + s["discarded_at_stop"]
+    assert s["trained"] == s["steps"]  # one item per take, one drafter: every trained item is a step

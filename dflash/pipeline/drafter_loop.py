@@ -55,9 +55,12 @@ class DrafterLoop:
                 res, info = got
                 info["step_s"] = time.perf_counter() - ts
                 self._add_stages(res.stages)
+                skipped = info.pop("skipped")  # no anchor in any take: not a step (the same number again)
                 rr.channel.send({"op": "done", "step": step, "pid": os.getpid(), "takes": res.takes,
                                  "stages": res.stages, "step_info": info if self.host else None,
-                                 "gpu": rr.gpu_samples()})
+                                 "gpu": rr.gpu_samples(), "skipped": skipped})
+                if skipped:
+                    continue
                 if self.host:
                     self.losses.append(info["loss"])
                     interval_tokens += info["tokens"]
@@ -146,7 +149,8 @@ class DrafterLoop:
         s = summary
         rr.progress(f"done: {s['steps']} steps in {s['wall_s']:.0f} s on {rr.roles.world_size} ranks "
                     f"({rr.roles.n_target} target + {rr.roles.n_drafter} drafter; stopped by {s['stopped_by']}); "
-                    f"produced {s['produced']} = trained {s['trained']} + discarded_at_stop {s['discarded_at_stop']}"
+                    f"produced {s['produced']} = trained {s['trained']} + skipped_no_anchors "
+                    f"{s['skipped_no_anchors']} + discarded_at_stop {s['discarded_at_stop']}"
                     + (f"; replayed {s['replayed']}" if s.get("replayed") else ""))
         rr.progress(f"drafter weights: {rr.out / 'drafter'}; records: {rr.out}")
         rr.progress(f"export for serving: dflash export --drafter {rr.out} --out {rr.out / 'export'}")

@@ -27,7 +27,8 @@ def resolve_resume(out: Path, progress: Callable[[str], None]) -> tuple[int, str
     feed = dict(meta["feed"])
     feed["pending"] = [i for i in feed["pending"] if i not in acked]
     state = ResumeState(feed=feed, t=float(meta["t"]), queue_core=meta["queue_core"],
-                        counts={"trained": int(meta["trained"]), "replayed": int(meta.get("replayed", 0))},
+                        counts={"trained": int(meta["trained"]), "replayed": int(meta.get("replayed", 0)),
+                                "skipped_no_anchors": int(meta.get("skipped_no_anchors", 0))},
                         control_serial=int(meta.get("control_serial", 0)), queue_config=meta.get("queue_config"))
     progress(f"resumed at step {step + 1} from {ckpt}; replaying {len(feed['pending'])} items in flight; "
              f"ledger commits dropped after it: {later}; records dropped: {dropped}")

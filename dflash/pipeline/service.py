@@ -107,6 +107,7 @@ class CoordinatorService:
         self._closed_producers: set[int] = set()
         self.produced = 0  # items put into the queue in this session
         self.trained = 0
+        self.skipped = 0  # items of steps whose takes held no anchor (no optimizer step, no ledger step)
         self.discarded: list[str] = []
         self.summary: dict[str, Any] | None = None
         self.error: BaseException | None = None
@@ -206,7 +207,21 @@ class CoordinatorService:
         step, d = msg["step"], rank - self.roles.n_target
         self._done.setdefault(step, {})[d] = msg
         if len(self._done[step]) == self.roles.n_drafter:
-            self._commit(step, self._done.pop(step), t)
+            done = self._done.pop(step)
+            if all(m.get("skipped") for m in done.values()):
+                self._skip(done)
+            else:
+                self._commit(step, done, t)
+
+    def _skip(self, done: dict[int, dict[str, Any]]) -> None:
+        """A step whose takes held no anchor: its items are done (counted ``skipped_no_anchors``), not
+        trained; no ledger step, no records. The drafters take for the same step number again."""
+        ids = [i for d in sorted(done) for take in done[d]["takes"] for i in take["item_ids"]]
+        self.feed.trained(ids)
+        self.skipped += len(ids)
+        self.coord.core.counters.trained += len(ids)  # done with, for the queue's accounting
+        for d in done:
+            self._assigned.pop(d, None)
 
     def _on_bye(self, rank: int, msg: dict[str, Any], t: float) -> None:
         """Drafters say bye after their last step (the host rank after its final checkpoint), producers after stop."""
@@ -276,8 +291,10 @@ class CoordinatorService:
             self.hub.send(p, {"op": "stop"})
         c = self.coord.core.counters
         produced = self.produced
-        summary = {"produced": self.before["trained"] + produced, "trained": self.before["trained"] + self.trained,
-                   "skipped_no_anchors": 0, "discarded_at_stop": len(self.discarded),
+        skipped = self.before.get("skipped_no_anchors", 0) + self.skipped
+        summary = {"produced": self.before["trained"] + self.before.get("skipped_no_anchors", 0) + produced,
+                   "trained": self.before["trained"] + self.trained,
+                   "skipped_no_anchors": skipped, "discarded_at_stop": len(self.discarded),
                    "discarded_ids": list(self.discarded),
                    "replayed": self.before.get("replayed", 0) + self.feed.replayed, **host_bye.get("summary", {}),
                    "queue_stats": {"takes": c.takes, "max_depth_seen": c.max_depth_seen,
@@ -304,6 +321,7 @@ class CoordinatorService:
                     "queue_config": dict(self.cfg.queue.__dict__), "control_serial": self.control.serial,
                     "ledger_step": step,
                     "trained": self.before["trained"] + self.trained,
+                    "skipped_no_anchors": self.before.get("skipped_no_anchors", 0) + self.skipped,
                     "replayed": self.before.get("replayed", 0) + self.feed.replayed}
 
     def note(self, reason: str, change: dict[str, Any]) -> None:

@@ -240,7 +240,7 @@ class DrafterWorker:
         res.stages["optimizer_s"] = time.perf_counter() - t1
         info = {"loss": loss_sum / weight_sum if weight_sum > 0 else math.nan, "lr": lr, "anchors": int(anchors),
                 "tokens": int(real_tokens), "counted_tokens": int(tokens), "grad_norm": grad_norm,
-                "items": int(n_items)}
+                "items": int(n_items), "skipped": weight_sum <= 0}
         return res, info
 
     def _train_take(self, step: int, transfers: list[dict[str, Any]], res: StepResult) -> dict[str, Any]:
