@@ -218,7 +218,8 @@ def test_weighted_loss_matches_hand_computation():
     assert res.tokens == n and res.anchors == 5
     assert res.weight_sum == pytest.approx(wsum)
     assert float(res.loss_sum.detach()) == pytest.approx(total, rel=1e-9)
-    assert float(res.mean().detach()) == pytest.approx(total / n, rel=1e-9)
+    assert float(res.mean("tokens").detach()) == pytest.approx(total / n, rel=1e-9)
+    assert float(res.mean().detach()) == pytest.approx(total / wsum, rel=1e-9)  # the default: upstream's
     assert float(res.mean("weights").detach()) == pytest.approx(total / wsum, rel=1e-9)
     # the published gammas
     assert drafter.spec.slot_weights()[1].item() == 1.0 and drafter.spec.slot_weights()[0].item() == 0.0
@@ -309,7 +310,7 @@ def test_frozen_parts_stay_frozen():
 
 
 def test_two_workers_equal_one_worker():
-    """Gradient sums of two workers, divided by the global token count, equal one worker's gradient."""
+    """Gradient sums of two workers, divided by the global weight sum, equal one worker's gradient."""
     target, drafter = make(block_size=8, layers=2, anchors=6)
     lengths = [40, 25, 33, 18]
     ids, am, lm, ctx = rand_batch(target, lengths, resp_from=3)
@@ -323,15 +324,16 @@ def test_two_workers_equal_one_worker():
     one = drafter.loss(ctx, ids, lm, am, anchors=anchors, anchor_valid=valid)
     g_one = grads_of(one.mean())
 
-    parts, total_tokens = [], 0
+    parts, total_tokens, total_weight = [], 0, 0.0
     for rows in ([0, 1], [2, 3]):
         s = max(lengths[r] for r in rows)  # each worker pads only to its own longest sequence
         part = drafter.loss(ctx[rows, :s], ids[rows, :s], lm[rows, :s], am[rows, :s],
                             anchors=anchors[rows], anchor_valid=valid[rows])
         parts.append(grads_of(part.loss_sum))  # token-weighted gradient SUM
         total_tokens += part.tokens
-    assert total_tokens == one.tokens
-    g_two = [(a + b) / total_tokens for a, b in zip(*parts)]
+        total_weight += part.weight_sum
+    assert total_tokens == one.tokens and total_weight == pytest.approx(one.weight_sum)
+    g_two = [(a + b) / total_weight for a, b in zip(*parts)]
     for a, b in zip(g_one, g_two):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
