@@ -5,8 +5,9 @@ item's conversations with the chat template, run the frozen target up to its dee
 layer and put the captured states into :class:`dflash.pipeline.hsqueue.HSQueue`. The drafter side runs in
 the calling thread: each step every drafter worker takes through the queue policy (in index
 order, each take re-checking the gate), computes its forward and backward, and the step sums the
-workers' token-weighted gradients and divides by the global token count, so the update equals one
-worker on the combined batch. On one device the drafter workers are data-parallel ranks run one
+workers' weighted gradient sums and divides by the global sum of the slot weights (upstream's
+normalisation), so the update equals one worker on the combined batch; a step whose takes hold no
+anchor is no step (counted ``skipped_no_anchors``). On one device the drafter workers are data-parallel ranks run one
 after another on one model (same arithmetic as DDP with a summed all-reduce).
 
 Everything is written as DESIGN.md's records (``source = "real"``) under the output directory,
