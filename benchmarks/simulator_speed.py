@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     cfg = load_config(EXAMPLE)
-    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed)
+    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size)
     simulate(cfg, sampler, sim_seconds=60.0)  # warm the sampler's epoch cache, as a sweep would
 
     ours, items = [], 0

@@ -135,7 +135,8 @@ def report(run: Path, samples: list[dict], wall: float) -> None:
     for r in takes:
         busy[("drafter", r["rank"], r["pid"])] += r["compute_s"]
     print(f"job: {summary['steps']} steps, stopped by {summary['stopped_by']}, wall {wall:.0f} s with start-up; "
-          f"produced {summary['produced']} = trained {summary['trained']} + discarded {summary['discarded_at_stop']}")
+          f"produced {summary['produced']} = trained {summary['trained']} + skipped_no_anchors "
+          f"{summary.get('skipped_no_anchors', 0)} + discarded {summary['discarded_at_stop']}")
     print(f"throughput_tokens_per_s {metrics.get('throughput_tokens_per_s', float('nan')):,.0f}   "
           f"samples_per_s {metrics.get('samples_per_s', float('nan')):.2f}   mean_queue_depth "
           f"{metrics.get('mean_queue_depth', float('nan')):.1f}   peak_queue_bytes "

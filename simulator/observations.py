@@ -93,11 +93,11 @@ def _from_run(p: Path, index: int) -> RunData:
                                             int(r["padded_len"]), int(r["bucket"]), r.get("bytes")))
     sampler = None
     if cfg is not None:
-        from dflash.core.sampler import Sampler
+        from dflash.core.sampler import sampler_for
         from dflash.data.lengths import cached_lengths
 
         table = cached_lengths(cfg.workload, model=cfg.target.model, progress=False)
-        sampler = Sampler(table.lengths, cfg.workload, seed=cfg.seed, prompt_lengths=table.prompt_lengths or None)
+        sampler = sampler_for(cfg, table.lengths, table.prompt_lengths)
         obs.capture_layers = cfg.target.capture_layers
         obs.dtype_bytes = state_dtype_bytes(cfg.drafter.devices)
     by_drafter: dict[int, list[dict[str, Any]]] = defaultdict(list)

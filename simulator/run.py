@@ -256,6 +256,7 @@ class _Pipeline:
             "produced": sum(core.counters.produced) + len(blocked),
             "trained": self.trained[0] + sum(len(v) for v in self.held.values()),
             "discarded_at_stop": queued_at_stop + len(blocked), "replayed": 0,
+            "skipped_no_anchors": 0,  # the sampler drops anchor-less sequences before they are items
             "takes": core.counters.takes, "steps": self.step_no[0],
             "stranded": {"queued": queued_at_stop, "blocked_producers": len(blocked),
                          "gate_open_at_stop": core.gate() is not None},

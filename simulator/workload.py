@@ -68,6 +68,9 @@ def load_lengths_and_prompts(workload: WorkloadConfig, model: str = "smollm2", s
     return load_lengths(workload, model, seed), None
 
 
-def make_sampler(workload: WorkloadConfig, model: str = "smollm2", seed: int = 0) -> Sampler:
+def make_sampler(workload: WorkloadConfig, model: str = "smollm2", seed: int = 0,
+                 block_size: int | None = None) -> Sampler:
+    """The trainer's sampler on the cached lengths; with ``block_size`` (``cfg.drafter.block_size``) it
+    drops the anchor-less sequences the trainer drops, so simulated items are the trainer's items."""
     lengths, prompts = load_lengths_and_prompts(workload, model, seed)
-    return Sampler(lengths, workload, seed=seed, prompt_lengths=prompts)
+    return Sampler(lengths, workload, seed=seed, prompt_lengths=prompts, block_size=block_size)

@@ -66,7 +66,7 @@ def test_simulate_cli_writes_json_records_and_plot_that_agree(tiny_config: Path,
     for key in ("throughput_tokens_per_s", "mix_efficiency", "mean_queue_depth", "drafter_utilization",
                 "producer_blocked_frac", "max_bucket_streak"):
         assert again[key] == pytest.approx(m[key]), key
-    assert summary["produced"] == summary["trained"] + summary["discarded_at_stop"]
+    assert summary["produced"] == summary["trained"] + summary["skipped_no_anchors"] + summary["discarded_at_stop"]
 
 
 def test_accounting_identity_and_determinism() -> None:
@@ -75,7 +75,7 @@ def test_accounting_identity_and_determinism() -> None:
     a = simulate(cfg, sampler, sim_seconds=900)
     b = simulate(cfg, sampler, sim_seconds=900)
     s = a.summary
-    assert s["produced"] == s["trained"] + s["discarded_at_stop"]
+    assert s["produced"] == s["trained"] + s["skipped_no_anchors"] + s["discarded_at_stop"]
     assert a.metrics == b.metrics
     c = simulate(with_overrides(cfg, {"seed": 1}), sampler, sim_seconds=900)
     assert c.metrics["mix_efficiency"] != a.metrics["mix_efficiency"]

@@ -38,8 +38,8 @@ def test_capture_layer_ids_rule_and_edges():
             assert ids == [round(1 + i * (n_layers - 4) / (k - 1)) for i in range(k)]
             assert ids[0] == 1 and ids[-1] == n_layers - 3
             assert ids == sorted(set(ids))
-    assert capture_layer_ids(30, 1) == [14]
-    assert capture_layer_ids(6, 1) == [2]
+    assert capture_layer_ids(30, 1) == [15]  # upstream build_target_layer_ids: L // 2
+    assert capture_layer_ids(6, 1) == [3]
     with pytest.raises(ValueError):
         capture_layer_ids(6, 4)  # only layers 1..3 are in range
     with pytest.raises(ValueError):

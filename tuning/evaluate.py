@@ -61,7 +61,7 @@ class Evaluator:
     def sampler(self, seed: int) -> Sampler:
         if seed not in self._samplers:
             self._samplers[seed] = Sampler(self._lengths, self.cfg.workload, seed=seed,
-                                           prompt_lengths=self._prompts)
+                                           prompt_lengths=self._prompts, block_size=self.cfg.drafter.block_size)
         return self._samplers[seed]
 
     def evaluate(self, queue: QueueConfig, split: Split | None = None) -> Evaluation:

@@ -43,9 +43,9 @@ def trained_conversation_ids(run_dir: Path, cfg: DflashConfig) -> set[str]:
     item_ids = [i for r in read_records(run_dir, "take") for i in r["item_ids"]]
     if not item_ids:
         return set()
-    from dflash.core.sampler import Sampler
+    from dflash.core.sampler import sampler_for
     from dflash.data.lengths import cached_lengths
 
     table = cached_lengths(cfg.workload, model=cfg.target.model, progress=False)
-    sampler = Sampler(table.lengths, cfg.workload, seed=cfg.seed)
+    sampler = sampler_for(cfg, table.lengths, table.prompt_lengths)
     return {table.ids[k] for k in sampler.sequences_of(item_ids)}

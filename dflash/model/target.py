@@ -49,9 +49,9 @@ def capture_layer_ids(num_layers: int, k: int) -> list[int]:
     as upstream uses it): K layers spread evenly from layer 1 to layer L - 3. SmolLM2 (30 layers,
     K = 5) -> [1, 8, 14, 20, 27]; Qwen3-8B (36 layers) -> [1, 9, 17, 25, 33].
 
-    K = 1 has no spread (the formula divides by zero); we take the middle of the same range,
-    ``round(1 + (L - 4) / 2)`` (SmolLM2 -> 14), the one layer that sees both low-level and
-    high-level features. Layer ``id`` is read as ``hidden_states[id + 1]`` of a transformers forward
+    K = 1 has no spread (the formula divides by zero); upstream's ``build_target_layer_ids`` takes
+    the middle layer ``L // 2`` (SmolLM2 -> 15), and so do we, so a K = 1 drafter reads the layer an
+    upstream-trained one does. Layer ``id`` is read as ``hidden_states[id + 1]`` of a transformers forward
     with ``output_hidden_states=True`` (index 0 is the embedding output).
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 4:
@@ -61,7 +61,7 @@ def capture_layer_ids(num_layers: int, k: int) -> list[int]:
     if k > num_layers - 3:
         raise ValueError(f"k = {k} layers do not fit between layer 1 and layer {num_layers - 3}")
     if k == 1:
-        return [round(1 + (num_layers - 4) / 2)]
+        return [num_layers // 2]
     ids = [round(1 + i * (num_layers - 4) / (k - 1)) for i in range(k)]
     if len(set(ids)) != k:  # cannot happen for k <= L - 3, but a repeated layer would be silent waste
         raise ValueError(f"capture layers collide: {ids}")

@@ -29,11 +29,14 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         share = 100.0 * c / total if total else 0.0
         print(f"  ({lo}, {hi}]".ljust(16) + f"{share:6.1f}%  {c}")
         lo = hi
-    from dflash.core.sampler import Sampler
+    from dflash.core.sampler import sampler_for
 
-    sampler = Sampler(table.lengths, w, seed=cfg.seed)
+    sampler = sampler_for(cfg, table.lengths, table.prompt_lengths)
     mix = " / ".join(f"{100 * m:.1f}" for m in sampler.item_mix())
     per_item = f"{w.seqs_per_item} seqs" if w.seqs_per_item else f"{w.tokens_per_item} tokens"
+    if sampler.dropped_no_anchor:
+        print(f"{sampler.dropped_no_anchor} sequences dropped: no response token with room for a block of "
+              f"{cfg.drafter.block_size} (the trainer and the simulator drop them too)")
     print(f"item mix p ({per_item} per item, {sampler.items_per_epoch()} items per epoch): {mix} %")
     return 0
 

@@ -22,7 +22,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
 
     cfg = apply_calibration(cfg, args.calibration)
     sim_seconds = float(args.sim_seconds) if args.sim_seconds is not None else 3600.0
-    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed)
+    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size)
     bar = Progress(sim_seconds)
     result = simulate(cfg, sampler, sim_seconds=sim_seconds, records_dir=args.records, progress=bar)
     bar.close()
@@ -36,8 +36,8 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         print("steady state not reached: depth never reached min_ready before the end")
     else:
         print(format_metrics(m))
-    print(f"accounting: produced {s['produced']} = trained {s['trained']} + discarded_at_stop "
-          f"{s['discarded_at_stop']}; stranded at stop: {s['stranded']}")
+    print(f"accounting: produced {s['produced']} = trained {s['trained']} + skipped_no_anchors "
+          f"{s['skipped_no_anchors']} + discarded_at_stop {s['discarded_at_stop']}; stranded at stop: {s['stranded']}")
     print(format_memory(cfg, m))
     payload = {"config": cfg.to_dict(), "sim_seconds": sim_seconds, **result.as_json()}
     if args.json:
