@@ -145,6 +145,7 @@ def section(inputs: Inputs) -> Section:
     by = "dflash validate from real runs" if inputs.validation is not None and \
         inputs.validation.data.get("chosen") == name else "the sweep's selection rule on simulated runs"
     sec.blocks.append(Text(f"Run {name}: {queue_text(queue_of(inputs, name))}, chosen by {by}.", strong=True))
+    sec.blocks.extend(evidence_blocks(inputs))
     measured = {n: measured_view(inputs, n) for n in (name, *REFERENCES)}
     predicted = {n: predicted_view(inputs, n) for n in (name, *REFERENCES)}
     use_measured = all(v is not None and v.mean.get(TPUT) is not None for v in measured.values())
@@ -170,6 +171,40 @@ def section(inputs: Inputs) -> Section:
         sec.blocks.extend(serving_blocks(inputs, name))
     sec.blocks.append(summary_table(name, measured, predicted))
     return sec
+
+
+def evidence_blocks(inputs: Inputs) -> list[Text | Bullets]:
+    """What the sequential validation resolved: the recommendation in its own words, every comparison
+    of the tested configuration with its 95% interval, and the takes that would settle the rest.
+
+    A validation from before sequential blocks has no ``comparisons``: nothing is added, and the
+    standard-error rule of :func:`tradeoff` is all the reader gets.
+    """
+    val = inputs.validation
+    comps = val.data.get("comparisons") if val is not None else None
+    if not isinstance(comps, list) or not comps:
+        return []
+    rec = val.data.get("recommendation") or {}
+    blocks: list[Text | Bullets] = []
+    if rec.get("words"):
+        blocks.append(Text(f"The evidence: {rec['words']}"))
+    items = []
+    for c in comps:
+        lo, hi = (c.get("ci95") or [None, None])[:2]
+        diff = num(c.get("difference"))
+        rng = NA if num(lo) is None or num(hi) is None else f"{num(lo):+.4g} .. {num(hi):+.4g}"
+        verdict = "resolved" if c.get("resolved") else "not resolved (the interval holds 0)"
+        items.append(f"{c.get('config')} - {c.get('against')} on {c.get('objective')}: "
+                     f"{NA if diff is None else f'{diff:+.4g}'}, 95% interval {rng}: {verdict}")
+    blocks.append(Text(f"Comparisons after {val.data.get('rounds', NA)} of at most {val.data.get('max_looks', NA)} "
+                       f"rounds of {val.data.get('block_takes', NA)} takes (intervals corrected for the looks; "
+                       f"stopped: {val.data.get('stopped', NA)}):"))
+    blocks.append(Bullets(tuple(items)))
+    more = num(rec.get("takes_to_resolve"))
+    if more is not None and not all(c.get("resolved") for c in comps):
+        blocks.append(Text(f"At the observed noise, about {more:,.0f} more takes per configuration would resolve "
+                           "the remaining differences (`dflash validate --takes`)."))
+    return blocks
 
 
 def serving_blocks(inputs: Inputs, name: str) -> list[Text | Code]:

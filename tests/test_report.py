@@ -96,8 +96,19 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "run_dir": f"runs/{name}", "sim_dir": f"sim/{name}", "measured": measured, "measured_se": se,
             "predicted": pred, "rel_error": rel_errors(measured, pred), "within_goal": within_goals(measured, se, pred),
             "steps": next(read_records(val_dir / "runs" / name, "summary"))["steps"], "wall_s": 0.5,
-            "loss_roughness_steps": None, "tau_prompts": None})
-    validation = {"takes": 100, "calibration": str(cal_path), "selection": str(sweep_dir / "selection.json"),
+            "loss_roughness_steps": None, "tau_prompts": None,
+            "drift": 0.08 * (len(configs) + 1), "drift_detail": {"target": 0.05 * (len(configs) + 1), "drafter": -0.02},
+            "throughput_error_drift_corrected": -0.03})
+    comparisons = [{"config": "tuned-1", "against": ref, "objective": obj, "difference": diff, "ci95": ci,
+                    "resolved": not ci[0] <= 0 <= ci[1]}
+                   for ref, obj, diff, ci in (("handpicked", "throughput_tokens_per_s", 41.0, [12.0, 70.0]),
+                                              ("handpicked", "mix_efficiency", 0.01, [-0.02, 0.04]),
+                                              ("baseline", "throughput_tokens_per_s", 5.0, [-30.0, 40.0]),
+                                              ("baseline", "mix_efficiency", -0.01, [-0.05, 0.03]))]
+    validation = {"comparisons": comparisons, "rounds": 4, "max_looks": 5, "block_takes": 20, "stopped": "budget",
+                  "recommendation": {"name": "tuned-1", "candidates": ["tuned-1", "baseline"], "takes_to_resolve": 240,
+                                     "words": "tuned-1: not resolved worse than the best on either objective."},
+                  "takes": 100, "calibration": str(cal_path), "selection": str(sweep_dir / "selection.json"),
                   "base_config": cfg.to_dict(), "chosen": "tuned-1", "best_toml": "best.toml",
                   "command": f"dflash train --config {val_dir / 'best.toml'}",
                   "devices": {"target": ["cpu"], "drafter": ["cpu"]}, "goals": GOALS, "configs": configs,
@@ -328,3 +339,22 @@ def test_a_real_trainer_run_gives_loss_curves_and_its_measured_numbers(tmp_path:
     assert runs[0]["kind"] == "measured" and runs[0]["takes"] == "40"
     meta = {r["item"]: r["value"] for r in parse_md_table(section(md, "Run metadata"))}
     assert meta["devices"] == "target cpu; drafter cpu"
+
+
+def test_the_report_says_what_the_evidence_resolved_and_separates_drift(demo: dict) -> None:
+    """Each comparison with its interval and verdict, the takes that would settle the rest, and per
+    config the a-priori error, the cost drift and the drift-corrected error, in words and numbers."""
+    rec = section(demo["md"], "Recommendation")
+    assert "The evidence: tuned-1: not resolved worse" in rec
+    assert "tuned-1 - handpicked on throughput_tokens_per_s: +41, 95% interval +12 .. +70: resolved" in rec
+    assert "tuned-1 - baseline on mix_efficiency: -0.01, 95% interval -0.05 .. +0.03: not resolved" in rec
+    assert "after 4 of at most 5 rounds of 20 takes" in rec and "about 240 more takes" in rec
+    sim = section(demo["md"], "Simulated vs measured")
+    worst = max(demo["validation"]["configs"], key=lambda c: abs(c["drift"]))
+    assert f"the largest drift is {worst['name']}'s" in sim
+    assert fmt_rel(worst["drift_detail"]["target"]) + " (target)" in sim
+    rows = {r["config"]: r for r in parse_md_table(sim[sim.index("Machine drift and model error"):])}
+    for c in demo["validation"]["configs"]:
+        assert rows[c["name"]]["drift's effect"] == fmt_rel(c["drift"])
+        assert rows[c["name"]]["drift-corrected error"] == fmt_rel(c["throughput_error_drift_corrected"])
+        assert rows[c["name"]]["a-priori error"] == fmt_rel(c["rel_error"]["throughput_tokens_per_s"])

@@ -16,6 +16,7 @@ import pytest
 
 from dflash.cli import main
 from dflash.core.config import config_from_dict, load_config, with_overrides
+from dflash.core.records import read_records
 from tuning.claims import ClaimStore
 from tuning.validate import choose_best, within_goals
 
@@ -123,17 +124,31 @@ def test_validate_runs_the_selection_on_the_real_trainer_and_writes_best_toml(tm
     profile = ROOT / "examples" / "cpu-smollm2.toml"
     sel = tmp_path / "sel.json"
     sel.write_text(json.dumps({"configs": [
-        {"name": "a", "queue": {"min_ready": 4, "max_depth": 12, "policy": "random_item"}},
-        {"name": "b", "queue": {"min_ready": 2, "max_depth": 8, "policy": "fullest"}}]}))
+        {"name": "baseline", "queue": {"min_ready": 4, "max_depth": 12, "policy": "random_item"}},
+        {"name": "tuned-1", "queue": {"min_ready": 2, "max_depth": 8, "policy": "fullest"}}]}))
     out = tmp_path / "val"
-    argv = ["validate", "--config", str(profile), "--selection", str(sel), "--takes", "12", "--out", str(out)]
+    argv = ["validate", "--config", str(profile), "--selection", str(sel), "--takes", "12", "--block-takes", "6",
+            "--out", str(out)]
     assert main(argv) == 0
     payload = json.loads((out / "validation.json").read_text())
-    assert [r["name"] for r in payload["configs"]] == ["a", "b"]
+    assert [r["name"] for r in payload["configs"]] == ["baseline", "tuned-1"]
+    assert payload["max_looks"] == 2 and payload["rounds"] == 2  # one block of each cannot resolve anything
+    assert [(r["block"], r["name"]) for r in payload["block_rows"]] == [
+        (0, "baseline"), (0, "tuned-1"), (1, "baseline"), (1, "tuned-1")]  # ABAB: drift hits both alike
+    assert payload["tested"] == "tuned-1"
+    assert {(c["against"], c["objective"]) for c in payload["comparisons"]} == {
+        ("baseline", "throughput_tokens_per_s"), ("baseline", "mix_efficiency")}
+    for c in payload["comparisons"]:
+        lo, hi = c["ci95"]
+        assert c["config"] == "tuned-1" and c["resolved"] == (not lo <= 0 <= hi) and lo <= c["difference"] <= hi
+    assert payload["recommendation"]["name"] == payload["chosen"] in payload["recommendation"]["candidates"]
     for r in payload["configs"]:
-        assert r["steps"] == 12 and r["measured"]["tau"] >= 1.0
+        assert r["steps"] == 12 and r["blocks"] == 2 and r["measured"]["tau"] >= 1.0
         assert r["predicted"]["throughput_tokens_per_s"]["mean"] > 0
+        assert isinstance(r["drift"], float) and isinstance(r["throughput_error_drift_corrected"], float)
         assert (out / r["run_dir"] / "take.jsonl").is_file() and (out / r["sim_dir"] / "take.jsonl").is_file()
+    steps = [s["step"] for s in read_records(out / "runs" / "tuned-1", "step")]
+    assert steps == list(range(12))  # block 2 continued block 1's run: every step once, in order
     best = load_config(out / "best.toml")
     chosen = next(r for r in payload["configs"] if r["name"] == payload["chosen"])
     assert best == with_overrides(load_config(profile), {f"queue.{k}": v for k, v in chosen["queue"].items()})

@@ -15,7 +15,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -29,7 +29,7 @@ TABLE = sa.Table(
     sa.Column("namespace", sa.String(64), primary_key=True),
     sa.Column("name", sa.String(128), primary_key=True),
     sa.Column("idx", sa.Integer, nullable=False),
-    sa.Column("status", sa.String(16), nullable=False),  # pending | running | done | failed
+    sa.Column("status", sa.String(16), nullable=False),  # pending | running | done | failed | skipped
     sa.Column("worker", sa.String(128)),
     sa.Column("heartbeat", sa.Float),
     sa.Column("attempts", sa.Integer, nullable=False, default=0),
@@ -44,9 +44,9 @@ def worker_id() -> str:
 class ClaimStore:
     def __init__(self, url: str, namespace: str, stale_s: float = STALE_S) -> None:
         kwargs: dict[str, Any] = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-        if url.startswith("postgresql://"):  # SQLAlchemy 2.1 maps it to psycopg 3; we ship psycopg2
-            url = "postgresql+psycopg2://" + url.removeprefix("postgresql://")
-        self.engine = sa.create_engine(url, **kwargs)
+        from tuning.study import sqlalchemy_url
+
+        self.engine = sa.create_engine(sqlalchemy_url(url), **kwargs)
         self.ns = namespace
         self.stale_s = stale_s
         for attempt in range(5):  # two workers creating the table at once: one wins, the other retries
@@ -68,15 +68,21 @@ class ClaimStore:
             except IntegrityError:
                 pass
 
-    def claim(self, worker: str) -> str | None:
-        """The next configuration to run, now ours; None when every one is done or running live."""
+    def claim(self, worker: str, ready: Callable[[str, dict[str, str]], bool] | None = None) -> str | None:
+        """The next unit to run, now ours; None when every one is done, running live or not ``ready``.
+
+        ``ready(name, statuses)`` (statuses: name -> status of every unit) keeps a unit back until
+        what it depends on is done (validation: a configuration's block k needs round k-1 finished).
+        """
         while True:
             now = time.time()
             with self.engine.begin() as con:
                 rows = con.execute(sa.select(TABLE.c.name, TABLE.c.status, TABLE.c.worker, TABLE.c.heartbeat)
                                    .where(TABLE.c.namespace == self.ns).order_by(TABLE.c.idx)).all()
-            free = [r for r in rows if r.status == "pending"
-                    or (r.status == "running" and (r.heartbeat or 0) < now - self.stale_s)]
+            statuses = {str(r.name): str(r.status) for r in rows}
+            free = [r for r in rows if (r.status == "pending"
+                    or (r.status == "running" and (r.heartbeat or 0) < now - self.stale_s))
+                    and (ready is None or ready(str(r.name), statuses))]
             if not free:
                 return None
             r = free[0]
@@ -103,6 +109,12 @@ class ClaimStore:
                                                     TABLE.c.worker == worker, TABLE.c.status == "running")
                                .values(status=status, result=json.dumps(result), heartbeat=time.time())
                                ).rowcount == 1
+
+    def skip_pending(self) -> int:
+        """Mark every unit nobody has started as ``skipped`` (the question is answered); how many."""
+        with self.engine.begin() as con:
+            return int(con.execute(TABLE.update().where(TABLE.c.namespace == self.ns, TABLE.c.status == "pending")
+                                   .values(status="skipped")).rowcount)
 
     def rows(self) -> list[dict[str, Any]]:
         with self.engine.begin() as con:

@@ -23,8 +23,10 @@ import math
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,17 @@ from dflash.core.atomic import atomic_write_text
 from dflash.core.config import DflashConfig, config_to_toml, with_overrides
 from dflash.core.errors import ConfigError
 from dflash.core.records import clean_json, read_records
-from dflash.core.runmetrics import loss_roughness
 from tuning.claims import ClaimStore, worker_id
+from tuning.evidence import (
+    OBJECTIVES,
+    REFERENCES,
+    Comparison,
+    Recommendation,
+    all_resolved,
+    chosen_comparisons,
+    recommend,
+    takes_to_resolve,
+)
 
 COMPARED = ("throughput_tokens_per_s", "samples_per_s", "mix_efficiency", "mix_entropy", "mix_kl",
             "length_autocorr", "max_bucket_streak", "drafter_utilization", "target_utilization",
@@ -54,6 +65,7 @@ class ValidateArgs:
     calibration: str | None
     claims_url: str
     prompts: int
+    block_takes: int = 10
 
 
 def read_selection(path: str | Path) -> dict[str, Any]:
@@ -68,7 +80,20 @@ def read_selection(path: str | Path) -> dict[str, Any]:
             for c in configs):
         raise ConfigError("--selection", "must hold a non-empty 'configs' list of {name, queue} (dflash sweep "
                                          "writes one)", str(path))
+    if not any(_valid_queue(c["queue"]) for c in configs):
+        raise ConfigError("--selection", "holds no config with a valid queue table (see DESIGN.md's queue keys)",
+                          str(path))
     return data
+
+
+def _valid_queue(queue: dict[str, Any]) -> bool:
+    from dflash.core.config import QueueConfig
+
+    try:
+        QueueConfig(**{k: v for k, v in queue.items() if v is not None})
+    except (ConfigError, TypeError, ValueError):
+        return False
+    return True
 
 
 def selection_from_study(study_name: str, storage: str, cfg: DflashConfig) -> dict[str, Any]:
@@ -92,7 +117,7 @@ def selection_from_study(study_name: str, storage: str, cfg: DflashConfig) -> di
 def _optuna_storage(url: str) -> Any:
     from tuning.study import open_storage
 
-    return open_storage(url)
+    return open_storage(url, create=False)
 
 
 def claims_url_for(storage: str | None, out: Path) -> str:
@@ -108,76 +133,105 @@ def job_namespace(args: ValidateArgs, base: DflashConfig) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-# --------------------------------------------------------------------------- one configuration
+# --------------------------------------------------------------------------- blocks and rounds
 def queue_overrides(queue: dict[str, Any]) -> dict[str, Any]:
     return {f"queue.{k}": v for k, v in queue.items() if v is not None}
 
 
-def run_config(entry: dict[str, Any], base: DflashConfig, calibrated: DflashConfig, args: ValidateArgs,
-               progress: Callable[[str], None]) -> dict[str, Any]:
-    """Train one configuration for the budget, measure it, and predict it; the result row."""
+def max_looks(takes: int, block_takes: int) -> int:
+    """Rounds (looks at the evidence), fixed before the first block: ceil(takes / block_takes)."""
+    return math.ceil(takes / block_takes)
+
+
+def unit_name(config: str, block: int) -> str:
+    return f"{config}#{block}"
+
+
+def split_unit(unit: str) -> tuple[str, int]:
+    name, _, k = unit.rpartition("#")
+    return name, int(k)
+
+
+def unit_order(names: list[str], looks: int) -> list[str]:
+    """Round-major: every configuration's block k before any block k+1 (ABCABC...)."""
+    return [unit_name(n, k) for k in range(looks) for n in names]
+
+
+def unit_ready(unit: str, statuses: dict[str, str]) -> bool:
+    """Block k of a config waits for round k-1 to be over and for its own block k-1 to have worked
+    (it continues from that block's checkpoint)."""
+    name, k = split_unit(unit)
+    if k == 0:
+        return True
+    prev = [s for u, s in statuses.items() if split_unit(u)[1] == k - 1]
+    return statuses.get(unit_name(name, k - 1)) == "done" and all(s in ("done", "failed", "skipped") for s in prev)
+
+
+def block_steps(cfg: DflashConfig, args: ValidateArgs, block: int) -> tuple[int, int]:
+    """(steps at the end of this block, steps of the whole budget): takes are per configuration."""
+    per_step = cfg.cluster.n_drafter
+    total = max(1, math.ceil(args.takes / per_step))
+    return min(total, (block + 1) * max(1, math.ceil(args.block_takes / per_step))), total
+
+
+def run_block(entry: dict[str, Any], block: int, base: DflashConfig, args: ValidateArgs,
+              progress: Callable[[str], None]) -> dict[str, Any]:
+    """Train one block of one configuration (block 0 starts the run, later ones resume its
+    checkpoint with a larger step budget) and measure the block alone; the block's row."""
     name = entry["name"]
-    steps = max(1, math.ceil(args.takes / base.cluster.n_drafter))
-    run_cfg = with_overrides(base, {**queue_overrides(entry["queue"]), "train.max_steps": steps,
-                                    "train.max_minutes": None, "train.eval_every": None})
+    upto, total = block_steps(base, args, block)
+    # schedule_steps: the LR schedule is that of the whole budget whatever block we are in.
+    run_cfg = with_overrides(base, {**queue_overrides(entry["queue"]), "train.max_steps": upto,
+                                    "train.schedule_steps": total, "train.max_minutes": None,
+                                    "train.eval_every": None})
     run_dir = args.out / "runs" / name
-    if run_dir.exists():  # a dead worker's partial run: its timing would be mixed, start over
+    if block == 0 and run_dir.exists():  # a dead worker's partial first block: start over
         shutil.rmtree(run_dir)
-    summary, metrics, tau = train_and_measure(run_cfg, run_dir, args.prompts, progress)
-    measured = {k: metrics.get(k) for k in COMPARED}
-    measured["tau"] = tau.get("tau")
-    (run_dir / "eval.json").write_text(json.dumps(clean_json(tau), indent=1))
-    predicted = predict(entry, calibrated, steps, args.out / "sim" / name)
-    se = measurement_se(run_dir, metrics)
-    return clean_json({
-        "name": name, "trial": entry.get("trial"), "params": entry.get("params"), "queue": entry["queue"],
-        "run_dir": f"runs/{name}", "sim_dir": f"sim/{name}", "steps": summary.get("steps"),
-        "wall_s": summary.get("wall_s"), "ranks": {"n_target": run_cfg.cluster.n_target,
-                                                   "n_drafter": run_cfg.cluster.n_drafter},
-        "measured": measured, "measured_se": se, "predicted": predicted,
-        "rel_error": rel_errors(measured, predicted), "within_goal": within_goals(measured, se, predicted),
-        "loss_roughness_steps": metrics.get("loss_roughness_steps"), "tau_prompts": tau.get("num_prompts"),
-    })
+    t0 = max((float(r["t"]) for r in read_records(run_dir, "take")), default=-math.inf) if block else -math.inf
+    summary = train_block(run_cfg, run_dir, resume=block > 0, progress=progress)
+    measured = block_metrics(run_dir, run_cfg, t0)
+    return clean_json({"name": name, "block": block, "steps": summary.get("steps"), **measured})
 
 
-def train_and_measure(cfg: DflashConfig, run_dir: Path, prompts: int,
-                      progress: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Train one configuration (summary, metrics) and measure its drafter's tau.
-
-    One target + one drafter runs in this process (the library trainer: no process start-up per
-    configuration); any other shape runs as the distributed job, one process per rank, like
-    ``dflash train``.
-    """
+def train_block(cfg: DflashConfig, run_dir: Path, *, resume: bool, progress: Callable[[str], None]) -> dict[str, Any]:
+    """One target + one drafter trains in this process (no start-up per block); any other shape
+    runs as the distributed job, one process per rank, like ``dflash train [--resume]``."""
     if cfg.cluster.n_target == 1 and cfg.cluster.n_drafter == 1:
         from dflash.pipeline.trainer import Trainer
 
-        trainer = Trainer(cfg, run_dir, wandb_mode="disabled", progress=progress)
-        res = trainer.run()
-        tau = _tau(trainer.target, trainer.drafter, set(trainer.trained_conversations), cfg, prompts)
-        return res.summary, res.metrics, tau
-    return _train_distributed(cfg, run_dir, prompts, progress)
-
-
-def _train_distributed(cfg: DflashConfig, run_dir: Path, prompts: int,
-                       progress: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    from dflash.model.drafter import DFlashDrafter
-    from dflash.model.target import load_target
+        return Trainer(cfg, run_dir, wandb_mode="disabled", progress=progress, resume=resume).run().summary
     from dflash.pipeline.launch import launch
     from dflash.pipeline.rank import RunSpec
-    from dflash.pipeline.trainer import TrainingData
 
     run_dir.mkdir(parents=True, exist_ok=True)
     progress(f"distributed run: {cfg.cluster.n_target} target + {cfg.cluster.n_drafter} drafter ranks")
-    if launch(RunSpec(cfg, str(run_dir), wandb="disabled", quiet=True)) != 0:
+    if launch(RunSpec(cfg, str(run_dir), resume=resume, wandb="disabled", quiet=True)) != 0:
         raise RuntimeError(f"the distributed run in {run_dir} failed")
-    summary = next(read_records(run_dir, "summary"))
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    target = load_target(cfg.target.model)
-    drafter = DFlashDrafter.load(run_dir / "drafter", target.model)
-    data = TrainingData(cfg, target.tokenizer)
-    taken = [i for r in read_records(run_dir, "take") for i in r["item_ids"]]
-    trained = {data.conversations[k].id for k in data.sampler.sequences_of(taken)}
-    return summary, metrics, _tau(target, drafter, trained, cfg, prompts)
+    return list(read_records(run_dir, "summary"))[-1]
+
+
+def block_metrics(run_dir: Path, cfg: DflashConfig, t0: float) -> dict[str, Any]:
+    """DESIGN.md's metrics on the block's own records (after ``t0``, the previous block's last take).
+
+    The queue starts the block empty (a resumed run replays what was in flight), so the steady
+    state, and the measurement, begins when the queue first holds ``min_ready`` items again: refill
+    time is excluded. ``mix_efficiency`` needs windows; a block with fewer than two windows of
+    items is measured with a window of half its items (``mix_window`` says which).
+    """
+    from dflash.core.runmetrics import RunTrace, run_metrics
+    from simulator.workload import make_sampler
+
+    produce = [r for r in read_records(run_dir, "produce") if float(r.get("t_start", r["t"])) > t0]
+    takes = sorted((r for r in read_records(run_dir, "take") if float(r["t"]) > t0), key=lambda r: r["t"])
+    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size)
+    close_t = max((float(r["t"]) + float(r.get("compute_s") or 0.0) for r in takes), default=0.0)
+    window = max(2, min(cfg.metrics.window, sum(len(r["item_ids"]) for r in takes) // 2))
+    m = run_metrics(RunTrace.from_records(produce, takes), p=sampler.item_mix(), min_ready=cfg.queue.min_ready,
+                    window=window, warmup_s=0.0, close_t=close_t, n_target=cfg.cluster.n_target,
+                    n_drafter=cfg.cluster.n_drafter, n_buckets=sampler.n_buckets)
+    out = {k: m.get(k) for k in COMPARED if k != "loss_roughness"}
+    return {**out, "mix_window": window, "takes": len(takes), "t_start": m.get("steady_state_start_s"),
+            "t_end": m.get("steady_state_end_s")}
 
 
 def _tau(target: Any, drafter: Any, trained: set[str], cfg: DflashConfig, n: int) -> dict[str, Any]:
@@ -198,8 +252,8 @@ def predict(entry: dict[str, Any], calibrated: DflashConfig, steps: int, records
     runs = []
     for r in range(PREDICTION_SEEDS):
         c = with_overrides(cfg, {"seed": cfg.seed + r})
-        res = simulate(c, make_sampler(c.workload, c.target.model, c.seed), sim_seconds=1e9, max_steps=steps,
-                       records_dir=records_dir if r == 0 else None)
+        sampler = make_sampler(c.workload, c.target.model, c.seed, c.drafter.block_size)
+        res = simulate(c, sampler, sim_seconds=1e9, max_steps=steps, records_dir=records_dir if r == 0 else None)
         runs.append(res.metrics)
     out = {}
     for k in COMPARED:
@@ -207,32 +261,6 @@ def predict(entry: dict[str, Any], calibrated: DflashConfig, steps: int, records
         out[k] = {"mean": float(np.mean(xs)) if xs else None,
                   "se": float(np.std(xs, ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else None}
     return out
-
-
-def measurement_se(run_dir: Path, metrics: dict[str, Any], blocks: int = 5) -> dict[str, float | None]:
-    """Standard errors of the measured metrics from their spread over consecutive blocks of the run."""
-    takes = sorted(read_records(run_dir, "take"), key=lambda r: r["t"])
-    lo, hi = metrics.get("steady_state_start_s"), metrics.get("steady_state_end_s")
-    se: dict[str, float | None] = {k: None for k in COMPARED}
-    if lo is not None and hi is not None and hi > lo:
-        edges = np.linspace(lo, hi, blocks + 1)
-        tok, smp = np.zeros(blocks), np.zeros(blocks)
-        for r in takes:
-            k = int(np.searchsorted(edges, r["t"], side="right")) - 1
-            if 0 <= k < blocks:
-                tok[k] += r.get("tokens") or 0
-                smp[k] += r.get("n_seqs") or len(r["item_ids"])
-        width = (hi - lo) / blocks
-        se["throughput_tokens_per_s"] = float(np.std(tok / width, ddof=1) / math.sqrt(blocks))
-        se["samples_per_s"] = float(np.std(smp / width, ddof=1) / math.sqrt(blocks))
-    se["mix_efficiency"] = metrics.get("mix_efficiency_se")
-    losses = [r.get("loss") for r in sorted(read_records(run_dir, "step"), key=lambda r: r["step"])]
-    half = losses[len(losses) // 2:]
-    parts = [p for p in np.array_split(np.arange(len(half)), 4) if len(p) >= 4]
-    vals = [v for p in parts if (v := loss_roughness([half[i] for i in p])["loss_roughness"]) is not None]
-    if len(vals) > 1:
-        se["loss_roughness"] = float(np.std(vals, ddof=1) / math.sqrt(len(vals)))
-    return se
 
 
 def rel_errors(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, float | None]:
@@ -261,45 +289,80 @@ def within_goals(measured: dict[str, Any], se: dict[str, Any], predicted: dict[s
 # --------------------------------------------------------------------------- the job
 def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[str], None] = print
                    ) -> dict[str, Any] | None:
-    """Claim and run configurations until none is left; the summary when this worker can write it."""
-    from dflash.core.memory_model import check_fits
+    """Claim and run blocks, round by round, until the evidence is in or the budget is spent; the
+    summary when this worker is the one to write it.
+
+    Several workers share the claim table *per (configuration, block)*: block k of every config is
+    claimable once round k-1 is over, so the rounds stay ABC ABC... whoever runs them (the output
+    directory must be shared: a block continues its config's checkpoint). The worker that finishes
+    a round looks at the evidence and, when every comparison is resolved, skips what is left.
+    """
     from simulator.calibration import apply_calibration
 
-    base.cluster.check_trainable()  # before anything is written: a sharded target is simulator-only
-    check_fits(base)
     calibrated = apply_calibration(base, args.calibration)
     args.out.mkdir(parents=True, exist_ok=True)
     store = ClaimStore(args.claims_url, job_namespace(args, base))
     entries = {c["name"]: c for c in args.selection["configs"]}
-    store.register(list(entries))
+    looks = max_looks(args.takes, args.block_takes)
+    store.register(unit_order(list(entries), looks))
     me = worker_id()
     try:
-        while (name := store.claim(me)) is not None:
-            progress(f"== validating {name}: {entries[name]['queue']} for {args.takes} takes ==")
-            stop = threading.Event()
-            beat = threading.Thread(target=_beat, args=(store, name, me, stop), daemon=True)
-            beat.start()
-            try:
-                row = run_config(entries[name], base, calibrated, args, progress)
-                status = "done"
-            except Exception as exc:
-                row, status = {"name": name, "error": f"{type(exc).__name__}: {exc}"}, "failed"
-                progress(f"{name} failed: {row['error']}")
-            finally:
-                stop.set()
-                beat.join()
-            if not store.finish(name, me, row, status):
-                progress(f"{name}: claim lost to another worker (this one was taken for dead); result dropped")
+        while (unit := _next_unit(store, me)) is not None:
+            name, block = split_unit(unit)
+            upto = block_steps(base, args, block)[0]
+            progress(f"== {name}, block {block + 1}/{looks} (to step {upto}): {entries[name]['queue']} ==")
+            row, status = _run_claimed(store, unit, me, partial(run_block, entries[name], block, base, args, progress))
+            if status == "failed":
+                progress(f"{name} block {block + 1} failed: {row['error']}")
+            if not store.finish(unit, me, row, status):
+                progress(f"{unit}: claim lost to another worker (this one was taken for dead); result dropped")
+            _look_after_round(store, block, looks, progress)
         rows = store.rows()
     finally:
         store.close()
-    left = [r["name"] for r in rows if r["status"] not in ("done", "failed")]
-    if left:
-        progress(f"still running on other workers: {', '.join(left)}; the last worker to finish writes the "
-                 "comparison")
-        return None
-    return write_summary(base, args, [r["result"] for r in rows if r["status"] == "done"],
-                         [r["result"] for r in rows if r["status"] == "failed"])
+    return write_summary(base, calibrated, args, rows, progress)
+
+
+def _next_unit(store: ClaimStore, me: str, poll_s: float = 2.0) -> str | None:
+    """The next claimable block; waits while other workers finish the round it depends on."""
+    while True:
+        unit = store.claim(me, ready=unit_ready)
+        if unit is not None:
+            return unit
+        rows = store.rows()
+        if not any(r["status"] == "running" for r in rows):
+            store.skip_pending()  # nothing runs and nothing is ready: a config failed before its turn
+            return None
+        time.sleep(poll_s)
+
+
+def _run_claimed(store: ClaimStore, unit: str, me: str, work: Callable[[], dict[str, Any]]
+                 ) -> tuple[dict[str, Any], str]:
+    stop = threading.Event()
+    beat = threading.Thread(target=_beat, args=(store, unit, me, stop), daemon=True)
+    beat.start()
+    try:
+        return work(), "done"
+    except Exception as exc:
+        return {"name": split_unit(unit)[0], "block": split_unit(unit)[1],
+                "error": f"{type(exc).__name__}: {exc}"}, "failed"
+    finally:
+        stop.set()
+        beat.join()
+
+
+def _look_after_round(store: ClaimStore, block: int, looks: int, progress: Callable[[str], None]) -> None:
+    """After the last block of a round: stop early when every comparison is resolved."""
+    rows = store.rows()
+    if any(split_unit(r["name"])[1] == block and r["status"] in ("pending", "running") for r in rows):
+        return
+    blocks = block_table([r["result"] for r in rows if r["status"] == "done"])
+    chosen = choose_tuned(blocks)
+    if chosen is None:
+        return
+    comps = chosen_comparisons(blocks, chosen, max_looks=looks)
+    if comps and all_resolved(comps) and (n := store.skip_pending()):
+        progress(f"look {block + 1}/{looks}: every comparison of {chosen} is resolved; {n} blocks skipped")
 
 
 def _beat(store: ClaimStore, name: str, me: str, stop: threading.Event) -> None:
@@ -308,44 +371,180 @@ def _beat(store: ClaimStore, name: str, me: str, stop: threading.Event) -> None:
             store.heartbeat(name, me)
 
 
-def choose_best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The sweep's knee rule on measured values: smallest norm of relative shortfalls from the best.
+# --------------------------------------------------------------------------- decisions
+def block_table(block_rows: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """config -> objective -> per-block values, blocks in order; blocks without a value left out."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for r in sorted(block_rows, key=lambda r: (r["name"], r["block"])):
+        per = out.setdefault(r["name"], {k: [] for k in (*OBJECTIVES, "peak_queue_bytes")})
+        for k in per:
+            v = r.get(k)
+            if v is not None and math.isfinite(float(v)):
+                per[k].append(float(v))
+    return out
 
-    ``mix_efficiency`` needs at least one full window of takes; runs too short for it are judged on
-    throughput alone.
-    """
-    keys = [k for k in ("throughput_tokens_per_s", "mix_efficiency")
-            if all((r["measured"].get(k) or 0) > 0 for r in rows)]
+
+def choose_tuned(blocks: dict[str, dict[str, list[float]]]) -> str | None:
+    """The tuned configuration under test: the knee (tuning.pareto) of the measured block means of
+    the configurations other than ``baseline``/``handpicked``; None when there is none."""
+    from tuning.pareto import knee_scores
+
+    tuned = sorted(n for n in blocks if n not in REFERENCES and all(blocks[n][k] for k in OBJECTIVES))
+    if not tuned:
+        return None
+    points = [[float(np.mean(blocks[n][k])) for k in OBJECTIVES] for n in tuned]
+    scores = knee_scores(points)
+    return min(zip(scores, tuned))[1]
+
+
+def choose_best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The knee rule (tuning.pareto.knee_scores) on measured values; runs too short for a
+    ``mix_efficiency`` are judged on throughput alone."""
+    from tuning.pareto import knee_scores
+
+    keys = [k for k in OBJECTIVES if all((r["measured"].get(k) or 0) > 0 for r in rows)]
     if not rows or "throughput_tokens_per_s" not in keys:
         return None
-    best = {k: max(r["measured"][k] for r in rows) for k in keys}
-
-    def score(r: dict[str, Any]) -> float:
-        return math.sqrt(sum((1 - r["measured"][k] / best[k]) ** 2 for k in best))
-
-    return min(rows, key=lambda r: (score(r), r["name"]))
+    scores = knee_scores([[r["measured"][k] for k in keys] for r in rows])
+    return min(zip(scores, [r["name"] for r in rows], rows, strict=True), key=lambda t: (t[0], t[1]))[2]
 
 
-def write_summary(base: DflashConfig, args: ValidateArgs, rows: list[dict[str, Any]],
-                  failed: list[dict[str, Any]]) -> dict[str, Any]:
-    best = choose_best(rows)
+def _evidence(blocks: dict[str, dict[str, list[float]]], looks: int, block_takes: int
+              ) -> tuple[str | None, list[Comparison], Recommendation | None]:
+    complete = {n: b for n, b in blocks.items() if all(b[k] for k in OBJECTIVES)}
+    if not complete:
+        return None, [], None
+    chosen = choose_tuned(complete)
+    comps = chosen_comparisons(complete, chosen, max_looks=looks) if chosen else []
+    peak = {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in complete.items()}
+    return chosen, comps, recommend(complete, peak, max_looks=looks, block_takes=block_takes)
+
+
+# --------------------------------------------------------------------------- one configuration's row
+def config_row(entry: dict[str, Any], blocks: list[dict[str, Any]], base: DflashConfig, calibrated: DflashConfig,
+               args: ValidateArgs, target: Any) -> dict[str, Any]:
+    """Measured (block means and their standard errors), tau, the a-priori prediction, the run
+    calibrated alone (drift) and the drift-corrected prediction of one configuration.
+
+    ``drift`` is one number, the machine drift's effect on the predicted throughput (a-priori over
+    drift-corrected prediction, minus 1; :func:`tuning.drift.effect`); ``drift_detail`` has the
+    per-stage changes (target seconds per item, drafter seconds per take) behind it."""
+    from tuning.drift import effect, own_calibration, stage_drift, timing_of
+
+    name = entry["name"]
+    run_dir = args.out / "runs" / name
+    steps = max(int(b.get("steps") or 0) for b in blocks)
+    run_cfg = with_overrides(base, queue_overrides(entry["queue"]))
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    measured, se = _block_means(blocks, metrics)
+    tau = _final_tau(run_cfg, run_dir, target, args.prompts)
+    measured["tau"] = tau.get("tau")
+    (run_dir / "eval.json").write_text(json.dumps(clean_json(tau), indent=1))
+    predicted = predict(entry, calibrated, steps, args.out / "sim" / name)
+    own, why = own_calibration(run_dir, base, args.out / "sim" / name / "own-calibration.json")
+    drift: dict[str, Any] = {"why_missing": why}
+    corrected = None
+    if own is not None:
+        drift = stage_drift(run_dir, calibrated.timing, timing_of(base, own["timing"]))
+        corrected = predict(entry, with_overrides(calibrated, {f"timing.{k}": v for k, v in own["timing"].items()}),
+                            steps, args.out / "sim" / f"{name}-drift-corrected")
+    tput = "throughput_tokens_per_s"
+    pa, pc = predicted[tput]["mean"], (corrected or {}).get(tput, {}).get("mean")
+    drift["summary"] = effect(pa, pc)
+    err_c = rel_errors(measured, corrected) if corrected else {k: None for k in COMPARED}
+    return clean_json({
+        "name": name, "trial": entry.get("trial"), "params": entry.get("params"), "queue": entry["queue"],
+        "run_dir": f"runs/{name}", "sim_dir": f"sim/{name}", "steps": steps, "blocks": len(blocks),
+        "ranks": {"n_target": run_cfg.cluster.n_target, "n_drafter": run_cfg.cluster.n_drafter},
+        "measured": measured, "measured_se": se, "predicted": predicted, "predicted_drift_corrected": corrected,
+        "rel_error": rel_errors(measured, predicted), "rel_error_drift_corrected": err_c,
+        "throughput_error_drift_corrected": err_c.get(tput), "drift": drift["summary"], "drift_detail": drift,
+        "within_goal": within_goals(measured, se, corrected or predicted), "within_goal_basis":
+            "drift-corrected prediction" if corrected else "a-priori prediction (the run could not be calibrated)",
+        "loss_roughness_steps": metrics.get("loss_roughness_steps"), "tau_prompts": tau.get("num_prompts"),
+    })
+
+
+def _block_means(blocks: list[dict[str, Any]], metrics: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every compared metric as the mean over blocks with its standard error from their spread;
+    ``peak_queue_bytes`` the highest block; ``loss_roughness`` of the whole run (its second half)."""
+    measured: dict[str, Any] = {}
+    se: dict[str, Any] = {}
+    for k in COMPARED:
+        xs = [float(b[k]) for b in blocks if b.get(k) is not None and math.isfinite(float(b[k]))]
+        if k == "peak_queue_bytes":
+            measured[k], se[k] = (max(xs) if xs else None), None
+            continue
+        measured[k] = float(np.mean(xs)) if xs else None
+        se[k] = float(np.std(xs, ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else None
+    measured["loss_roughness"] = metrics.get("loss_roughness")
+    se["loss_roughness"] = None
+    return measured, se
+
+
+def _final_tau(cfg: DflashConfig, run_dir: Path, target: Any, prompts: int) -> dict[str, Any]:
+    """tau of the configuration's drafter after its last block, on prompts it never trained on."""
+    from dflash.model.drafter import DFlashDrafter
+    from dflash.pipeline.trainer import TrainingData
+
+    drafter = DFlashDrafter.load(run_dir / "drafter", target.model)
+    data = TrainingData(cfg, target.tokenizer)
+    taken = [i for r in read_records(run_dir, "take") for i in r["item_ids"]]
+    trained = {data.conversations[k].id for k in data.sampler.sequences_of(taken)}
+    return _tau(target, drafter, trained, cfg, prompts)
+
+
+def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateArgs, rows: list[dict[str, Any]],
+                  progress: Callable[[str], None]) -> dict[str, Any] | None:
+    """validation.json and best.toml (for the recommendation), once every block is over."""
+    if any(r["status"] in ("pending", "running") for r in rows):
+        progress("blocks still running on other workers; the last worker to finish writes the comparison")
+        return None
+    from dflash.model.target import load_target
+
+    looks = max_looks(args.takes, args.block_takes)
+    done = [r["result"] for r in rows if r["status"] == "done"]
+    failed_names = sorted({r["result"]["name"] for r in rows if r["status"] == "failed" and r["result"]})
+    failed = [next(r["result"] for r in rows if r["status"] == "failed" and r["result"]["name"] == n)
+              for n in failed_names]
+    blocks = block_table([r for r in done if r["name"] not in failed_names])
+    chosen, comps, rec = _evidence(blocks, looks, args.block_takes)
+    entries = {c["name"]: c for c in args.selection["configs"]}
+    target = load_target(base.target.model) if blocks else None
+    configs = [config_row(entries[n], [r for r in done if r["name"] == n], base, calibrated, args, target)
+               for n in entries if n in blocks]
+    best = entries.get(rec.name) if rec else None
     best_toml = args.out / "best.toml"
     command = None
     if best is not None:
         cfg = with_overrides(base, queue_overrides(best["queue"]))
-        atomic_write_text(best_toml, f"# Validated best of {args.selection_path} ({best['name']}), by dflash validate: "
-                       f"{args.takes} takes per config.\n# Launch: dflash train --config {best_toml}\n"
-                       + config_to_toml(cfg))
+        atomic_write_text(best_toml, f"# Recommended by dflash validate from {args.selection_path} ({best['name']}): "
+                                     f"{rec.words}\n# Launch: dflash train --config {best_toml}\n"
+                                     + config_to_toml(cfg))
         command = f"dflash train --config {best_toml}"
     payload = clean_json({
-        "takes": args.takes, "calibration": args.calibration, "selection": args.selection_path,
-        "base_config": base.to_dict(), "chosen": best["name"] if best else None,
+        "takes": args.takes, "block_takes": args.block_takes, "max_looks": looks,
+        "rounds": max((r["block"] + 1 for r in done), default=0),
+        "stopped": "resolved" if any(r["status"] == "skipped" for r in rows) else "budget",
+        "calibration": args.calibration, "selection": args.selection_path,
+        "base_config": base.to_dict(), "chosen": rec.name if rec else None, "tested": chosen,
+        "comparisons": [c.as_json() for c in comps],
+        "recommendation": None if rec is None else {
+            "name": rec.name, "candidates": list(rec.candidates), "words": rec.words,
+            "against_best": [c.as_json() for c in rec.against_best],
+            "takes_to_resolve": _takes_to_resolve(comps, args.block_takes)},
         "best_toml": "best.toml" if best else None, "command": command,
         "devices": {"target": list(base.target.devices), "drafter": list(base.drafter.devices)},
-        "goals": GOALS, "configs": rows, "failed": failed, "claims": args.claims_url,
+        "goals": GOALS, "configs": configs, "failed": failed, "claims": args.claims_url,
+        "block_rows": sorted(done, key=lambda r: (r["block"], list(entries).index(r["name"]))),
     })
     atomic_write_text(args.out / "validation.json", json.dumps(payload, indent=1))
     return payload
+
+
+def _takes_to_resolve(comps: list[Comparison], block_takes: int) -> int | None:
+    more = [m for m in (takes_to_resolve(c, block_takes) for c in comps) if m is not None]
+    return max(more) if more else None
 
 
 def format_validation(payload: dict[str, Any]) -> str:
@@ -356,7 +555,8 @@ def format_validation(payload: dict[str, Any]) -> str:
         return "n/a" if x is None else format(x, spec)
 
     w = max([12, *(len(r["name"]) + 2 for r in payload["configs"])])
-    lines = [f"validated {len(payload['configs'])} configs, {payload['takes']} takes each "
+    lines = [f"validated {len(payload['configs'])} configs in {payload.get('rounds')} rounds of "
+             f"{payload.get('block_takes')} takes (at most {payload['takes']} each; stopped: {payload.get('stopped')}) "
              f"(goals: {payload['goals']})",
              f"{'config':<{w}}{'knobs':<26}{'tok/s meas':>16}{'pred':>8}{'err':>8}{'mix_eff meas':>18}{'pred':>7}"
              f"{'err':>8}{'rough meas':>12}{'pred':>7}{'err':>8}{'tau':>7}"]
@@ -374,9 +574,19 @@ def format_validation(payload: dict[str, Any]) -> str:
             f"{pct(e['loss_roughness']):>8}{num(m.get('tau'), '.3f'):>7}")
     for f in payload.get("failed", []):
         lines.append(f"{f['name']}: FAILED ({f.get('error')})")
-    if payload["chosen"]:
-        lines.append(f"validated best: {payload['chosen']} (knee of measured throughput and mix_efficiency); "
-                     f"launch the full run with:\n  {payload['command']}")
+    for c in payload.get("comparisons", []):
+        lo, hi = (num(x, "+.4g") for x in c["ci95"])
+        lines.append(f"{c['config']} vs {c['against']} on {c['objective']}: {num(c['difference'], '+.4g')} "
+                     f"(95% interval {lo} .. {hi}): {'resolved' if c['resolved'] else 'NOT resolved'}")
+    for r in payload["configs"]:
+        d = r.get("drift_detail") or {}
+        lines.append(f"{r['name']}: drift target {pct(d.get('target'))}, drafter {pct(d.get('drafter'))}, effect on "
+                     f"predicted throughput {pct(d.get('summary'))}; throughput error a priori "
+                     f"{pct(r['rel_error']['throughput_tokens_per_s'])}, drift-corrected "
+                     f"{pct(r.get('throughput_error_drift_corrected'))}")
+    rec = payload.get("recommendation")
+    if rec:
+        lines.append(f"recommended: {rec['words']}\nlaunch the full run with:\n  {payload['command']}")
     return "\n".join(lines)
 
 

@@ -52,7 +52,9 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     selection = demo_sweep(out, calibrated, str(cal_path))
     if selection is None:
         return 2
-    stage(6, f"validate the chosen config, baseline and handpicked on the real trainer ({takes} takes each)")
+    block_takes = max(1, min(takes, takes // 4 or 1))
+    stage(6, f"validate the chosen config, baseline and handpicked on the real trainer (blocks of {block_takes} "
+             f"takes, alternating, at most {takes} takes each)")
     import json
 
     from tuning.validate import ValidateArgs, claims_url_for, format_validation, progress_printer, run_validation
@@ -62,6 +64,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     val_out = out / "validation"
     vargs = ValidateArgs(selection={**sel, "configs": keep}, selection_path=str(selection), takes=takes,
                          out=val_out, calibration=str(cal_path), claims_url=claims_url_for(None, val_out),
+                         block_takes=block_takes,
                          prompts=cfg.train.eval_prompts)
     payload = run_validation(cfg, vargs, progress=progress_printer)
     if payload is not None:
@@ -71,9 +74,25 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
 
     html, md = build_report([out], out / "report", cfg)
     print(f"\ndone in {time.perf_counter() - t0:.0f} s.\nreport: {html}\n(markdown twin: {md})")
+    if payload is not None:
+        print(evidence_summary(payload))
     if payload is not None and payload.get("command"):
         print(f"launch the validated training run:\n  {payload['command']}")
     return 0
+
+
+def evidence_summary(payload: dict) -> str:
+    """Which comparisons the validation resolved, and what it recommends because of it."""
+    comps = payload.get("comparisons") or []
+    done = [f"{c['against']} on {c['objective']}" for c in comps if c["resolved"]]
+    open_ = [f"{c['against']} on {c['objective']}" for c in comps if not c["resolved"]]
+    rec = payload.get("recommendation") or {}
+    lines = [f"evidence ({payload.get('tested') or 'no tuned config'} tested in {payload.get('rounds')} rounds): "
+             f"{len(done)} of {len(comps)} comparisons resolved"
+             + (f" ({', '.join(done)})" if done else "") + (f"; not resolved: {', '.join(open_)}" if open_ else "")]
+    if rec.get("words"):
+        lines.append(f"recommendation: {rec['words']}")
+    return "\n".join(lines)
 
 
 def demo_sweep(out: Path, cfg: DflashConfig, calibration: str | None) -> Path | None:
@@ -103,7 +122,7 @@ def demo_simulate(cfg: DflashConfig) -> None:
     from simulator.run import simulate
     from simulator.workload import make_sampler
 
-    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed)
+    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size)
     rows = []
     for name, knobs in NAMED_CONFIGS.items():
         c = with_overrides(cfg, {f"queue.{k}": v for k, v in knobs.items()})

@@ -31,7 +31,8 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         storage = args.storage or "dflash-study.journal"
         selection, sel_path = selection_from_study(args.study, storage, cfg), f"study {args.study} in {storage}"
     takes = int(args.takes) if args.takes is not None else 300
-    vargs = ValidateArgs(selection=selection, selection_path=sel_path, takes=takes, out=out,
+    block = int(args.block_takes) if args.block_takes is not None else min(takes, 20)
+    vargs = ValidateArgs(selection=selection, selection_path=sel_path, takes=takes, block_takes=block, out=out,
                          calibration=args.calibration, claims_url=claims_url_for(args.storage, out),
                          prompts=cfg.train.eval_prompts)
     payload = run_validation(cfg, vargs, progress=progress_printer)
@@ -46,6 +47,12 @@ def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
     if (args.selection is None) == (args.study is None):
         raise ConfigError("--selection/--study", "give exactly one of --selection FILE or --study NAME",
                           show_got=False)
+    if args.block_takes is not None and args.takes is not None and args.block_takes > args.takes:
+        raise ConfigError("--block-takes", f"must be <= --takes ({args.takes})", args.block_takes)
+    if args.storage is not None and args.study is not None:
+        from dflash.cli.options import check_storage_flag
+
+        check_storage_flag(args.storage)
     if args.storage is not None and args.study is None and \
             args.storage.split("://", 1)[0].split("+")[0] not in ("sqlite", "postgresql", "mysql"):
         raise ConfigError("--storage", "with --selection: an SQL URL (sqlite:///PATH or postgresql://...) shared "
@@ -60,6 +67,8 @@ VERB = Verb("run the selection on the real trainer; compare with predictions", c
         CALIBRATION,
         N_TARGET,
         N_DRAFTER,
-        Opt("--takes", "int", "takes per validated config (>= 1)", lo=1, metavar="N"),
+        Opt("--takes", "int", "most takes per validated config (>= 1; default 300)", lo=1, metavar="N"),
+        Opt("--block-takes", "int", "takes per config per round; rounds alternate the configs and stop when "
+                                    "every comparison is resolved (>= 1; default min(takes, 20))", lo=1, metavar="N"),
         Opt("--out", "outdir", "output directory", metavar="DIR"),
     ))
