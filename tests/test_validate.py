@@ -145,7 +145,9 @@ def test_validate_runs_the_selection_on_the_real_trainer_and_writes_best_toml(tm
     for r in payload["configs"]:
         assert r["steps"] == 12 and r["blocks"] == 2 and r["measured"]["tau"] >= 1.0
         assert r["predicted"]["throughput_tokens_per_s"]["mean"] > 0
-        assert isinstance(r["drift"], float) and isinstance(r["throughput_error_drift_corrected"], float)
+        # 12 takes are too few to calibrate a run alone (calibrate wants >= 20 items): drift says why
+        assert isinstance(r["drift"], float) or (r["drift"] is None and r["drift_detail"]["why_missing"])
+        assert "throughput_error_drift_corrected" in r
         assert (out / r["run_dir"] / "take.jsonl").is_file() and (out / r["sim_dir"] / "take.jsonl").is_file()
     steps = [s["step"] for s in read_records(out / "runs" / "tuned-1", "step")]
     assert steps == list(range(12))  # block 2 continued block 1's run: every step once, in order
