@@ -297,8 +297,11 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
     directory must be shared: a block continues its config's checkpoint). The worker that finishes
     a round looks at the evidence and, when every comparison is resolved, skips what is left.
     """
+    from dflash.core.memory_model import check_fits
     from simulator.calibration import apply_calibration
 
+    base.cluster.check_trainable()  # before anything is written: a sharded target is simulator-only
+    check_fits(base)
     calibrated = apply_calibration(base, args.calibration)
     args.out.mkdir(parents=True, exist_ok=True)
     store = ClaimStore(args.claims_url, job_namespace(args, base))
