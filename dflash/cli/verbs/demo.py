@@ -52,7 +52,9 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     selection = demo_sweep(out, calibrated, str(cal_path))
     if selection is None:
         return 2
-    block_takes = max(1, min(takes, takes // 4 or 1))
+    # a quarter of the budget per block, but never under 10 takes: a shorter block has too few windows of
+    # taken items for a mix_efficiency, and a config without one cannot be compared or recommended
+    block_takes = max(min(takes, 10), takes // 4)
     stage(6, f"validate the chosen config, baseline and handpicked on the real trainer (blocks of {block_takes} "
              f"takes, alternating, at most {takes} takes each)")
     import json
