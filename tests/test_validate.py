@@ -18,7 +18,7 @@ from dflash.cli import main
 from dflash.core.config import config_from_dict, load_config, with_overrides
 from dflash.core.records import read_records
 from tuning.claims import ClaimStore
-from tuning.validate import choose_best, within_goals
+from tuning.validate import within_goals
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = [f"cfg-{k}" for k in range(12)]
@@ -71,19 +71,6 @@ def test_a_dead_workers_claim_returns_and_its_late_result_is_dropped(tmp_path: P
     row = store.rows()[0]
     assert row["attempts"] == 2 and row["result"] == {"ok": True} and row["worker"] == "alive"
     assert store.claim("third") is None
-
-
-def _row(name: str, thr: float, mix: float | None) -> dict:
-    return {"name": name, "measured": {"throughput_tokens_per_s": thr, "mix_efficiency": mix}}
-
-
-@pytest.mark.parametrize("rows, best", [
-    ([_row("fast", 100, 0.80), _row("mixed", 80, 1.00), _row("knee", 97, 0.97)], "knee"),
-    ([_row("a", 100, 0.9), _row("b", 100, 0.9)], "a"),  # ties by name
-    ([_row("slow", 50, None), _row("quick", 60, None)], "quick"),  # too short for a mix: throughput alone
-])
-def test_the_validated_best_is_the_knee_of_measured_values(rows: list, best: str) -> None:
-    assert choose_best(rows)["name"] == best
 
 
 @pytest.mark.parametrize("pred, meas, se, ok", [

@@ -17,6 +17,7 @@ from tuning.validate import (
     choose_tuned,
     max_looks,
     split_unit,
+    stop_reason,
     unit_name,
     unit_order,
     unit_ready,
@@ -94,3 +95,39 @@ def test_a_clearly_better_config_is_recommended_and_resolved() -> None:
 def test_no_tuned_config_means_nothing_to_test() -> None:
     blocks = block_table(_rows({"baseline": ([1.0, 2.0], [0.5, 0.5], 1.0)}))
     assert choose_tuned(blocks) is None
+
+
+def test_blocks_too_short_for_a_mix_are_decided_on_throughput_alone() -> None:
+    """No mix_efficiency in any block (too few items for a window): the comparisons and the
+    recommendation use throughput, and the words say so."""
+    rows = [{**r, "mix_efficiency": None} for r in _rows({
+        "baseline": ([100, 101, 99, 100], [0, 0, 0, 0], 1e6),
+        "tuned-1": ([200, 201, 199, 200], [0, 0, 0, 0], 3e6)})]
+    chosen, comps, rec = _evidence(block_table(rows), looks=4, block_takes=10)
+    assert chosen == "tuned-1"
+    assert [(c.against, c.objective, c.resolved) for c in comps] == [("baseline", "throughput_tokens_per_s", True)]
+    assert rec is not None and rec.name == "tuned-1" and "on throughput" in rec.words
+
+
+def test_a_config_without_throughput_blocks_is_left_out_of_the_decision() -> None:
+    rows = _rows({"baseline": ([100, 101], [0.5, 0.5], 1e6), "tuned-1": ([150, 151], [0.6, 0.6], 2e6)})
+    rows.append({"name": "tuned-2", "block": 0, "throughput_tokens_per_s": None, "mix_efficiency": None,
+                 "peak_queue_bytes": 1.0})
+    chosen, comps, rec = _evidence(block_table(rows), looks=2, block_takes=10)
+    assert chosen == "tuned-1" and {c.objective for c in comps} == {"throughput_tokens_per_s", "mix_efficiency"}
+    assert rec is not None and "tuned-2" not in rec.candidates
+
+
+@pytest.mark.parametrize(("statuses", "resolved", "reason"), [
+    (["done", "skipped"], [True, True], "resolved"),  # stopped early
+    (["done", "done"], [True, True], "resolved"),  # resolved at the last look
+    (["done", "done"], [True, False], "budget"),
+    (["done", "failed", "skipped"], [True, True], "failed"),  # skipped because a config failed
+    (["done"], [], "budget"),  # nothing to compare
+])
+def test_the_stop_reason_follows_the_evidence(statuses: list, resolved: list, reason: str) -> None:
+    from tuning.evidence import Comparison
+
+    comps = [Comparison("t", "baseline", "throughput_tokens_per_s", 1.0, (0.5, 1.5) if ok else (-1.0, 2.0),
+                        ok, 0.1, (2, 2)) for ok in resolved]
+    assert stop_reason([{"status": s} for s in statuses], comps) == reason

@@ -78,10 +78,19 @@ def compare(config: str, against: str, objective: str, a: Sequence[float], b: Se
 BlockMeans = Mapping[str, Mapping[str, Sequence[float]]]  # config -> objective -> per-block values
 
 
-def chosen_comparisons(blocks: BlockMeans, chosen: str, *, max_looks: int) -> list[Comparison]:
+def chosen_comparisons(blocks: BlockMeans, chosen: str, *, max_looks: int,
+                       objectives: Sequence[str] = OBJECTIVES) -> list[Comparison]:
     """The chosen configuration against each reference that was measured, on each objective."""
     return [compare(chosen, ref, obj, blocks[chosen][obj], blocks[ref][obj], max_looks=max_looks)
-            for ref in REFERENCES if ref in blocks and ref != chosen for obj in OBJECTIVES]
+            for ref in REFERENCES if ref in blocks and ref != chosen for obj in objectives]
+
+
+def measured_objectives(blocks: BlockMeans) -> tuple[str, ...]:
+    """The objectives every configuration with a throughput block has block values for.
+    ``mix_efficiency`` needs windows of items that a very short block may not fill; then throughput
+    alone decides (empty: no configuration has a throughput block, nothing can be decided)."""
+    measured = [b for b in blocks.values() if b.get(OBJECTIVES[0])]
+    return tuple(k for k in OBJECTIVES if measured and all(b.get(k) for b in measured))
 
 
 def all_resolved(comparisons: Sequence[Comparison]) -> bool:
@@ -97,13 +106,13 @@ class Recommendation:
 
 
 def recommend(blocks: BlockMeans, peak_bytes: Mapping[str, float], *, max_looks: int,
-              block_takes: int) -> Recommendation:
+              block_takes: int, objectives: Sequence[str] = OBJECTIVES) -> Recommendation:
     """Candidates = not resolved worse than the measured best on either objective; the cheapest in
     peak queue memory wins (ties: the higher mean throughput, then the name)."""
     names = sorted(blocks)
     against_best: list[Comparison] = []
     worse: set[str] = set()
-    for obj in OBJECTIVES:
+    for obj in objectives:
         best = max(names, key=lambda n: (_mean(blocks[n][obj]), n))
         for n in names:
             if n == best:
@@ -116,7 +125,7 @@ def recommend(blocks: BlockMeans, peak_bytes: Mapping[str, float], *, max_looks:
     pick = min(candidates, key=lambda n: (peak_bytes.get(n, math.inf),
                                           -_mean(blocks[n]["throughput_tokens_per_s"]), n))
     return Recommendation(pick, candidates, tuple(against_best),
-                          _words(pick, candidates, against_best, peak_bytes, block_takes))
+                          _words(pick, candidates, against_best, peak_bytes, block_takes, objectives))
 
 
 def takes_to_resolve(c: Comparison, block_takes: int) -> int | None:
@@ -133,10 +142,12 @@ def takes_to_resolve(c: Comparison, block_takes: int) -> int | None:
 
 
 def _words(pick: str, candidates: Sequence[str], against_best: Sequence[Comparison],
-           peak_bytes: Mapping[str, float], block_takes: int) -> str:
+           peak_bytes: Mapping[str, float], block_takes: int, objectives: Sequence[str]) -> str:
     others = [n for n in candidates if n != pick]
+    on = "on either objective" if len(objectives) > 1 else \
+        "on throughput (the blocks were too short to measure a mix efficiency)"
     text = f"{pick}: the lowest peak queue memory ({peak_bytes.get(pick, math.nan) / 2**30:.2f} GiB) among the " \
-           f"configurations not resolved worse than the measured best on either objective"
+           f"configurations not resolved worse than the measured best {on}"
     if others:
         text += f" ({', '.join(others)} are not resolved apart from it)"
     open_ = [c for c in against_best if not c.resolved and (c.config in candidates)]

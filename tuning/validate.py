@@ -24,7 +24,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -44,6 +44,7 @@ from tuning.evidence import (
     Recommendation,
     all_resolved,
     chosen_comparisons,
+    measured_objectives,
     recommend,
     takes_to_resolve,
 )
@@ -187,8 +188,11 @@ def run_block(entry: dict[str, Any], block: int, base: DflashConfig, args: Valid
     run_dir = args.out / "runs" / name
     if block == 0 and run_dir.exists():  # a dead worker's partial first block: start over
         shutil.rmtree(run_dir)
-    t0 = max((float(r["t"]) for r in read_records(run_dir, "take")), default=-math.inf) if block else -math.inf
     summary = train_block(run_cfg, run_dir, resume=block > 0, progress=progress)
+    # The block starts after the previous block's last step. Read after the resume: a dead worker's
+    # half of this block past the checkpoint was dropped from the records and trained again.
+    before = block_steps(base, args, block - 1)[0] if block else 0
+    t0 = max((float(r["t"]) for r in read_records(run_dir, "take") if int(r["step"]) < before), default=-math.inf)
     measured = block_metrics(run_dir, run_cfg, t0)
     return clean_json({"name": name, "block": block, "steps": summary.get("steps"), **measured})
 
@@ -360,10 +364,7 @@ def _look_after_round(store: ClaimStore, block: int, looks: int, progress: Calla
     if any(split_unit(r["name"])[1] == block and r["status"] in ("pending", "running") for r in rows):
         return
     blocks = block_table([r["result"] for r in rows if r["status"] == "done"])
-    chosen = choose_tuned(blocks)
-    if chosen is None:
-        return
-    comps = chosen_comparisons(blocks, chosen, max_looks=looks)
+    chosen, comps, _ = _evidence(blocks, looks, 1)
     if comps and all_resolved(comps) and (n := store.skip_pending()):
         progress(f"look {block + 1}/{looks}: every comparison of {chosen} is resolved; {n} blocks skipped")
 
@@ -387,40 +388,42 @@ def block_table(block_rows: list[dict[str, Any]]) -> dict[str, dict[str, list[fl
     return out
 
 
-def choose_tuned(blocks: dict[str, dict[str, list[float]]]) -> str | None:
+def choose_tuned(blocks: dict[str, dict[str, list[float]]], objectives: Sequence[str] = OBJECTIVES) -> str | None:
     """The tuned configuration under test: the knee (tuning.pareto) of the measured block means of
     the configurations other than ``baseline``/``handpicked``; None when there is none."""
     from tuning.pareto import knee_scores
 
-    tuned = sorted(n for n in blocks if n not in REFERENCES and all(blocks[n][k] for k in OBJECTIVES))
+    tuned = sorted(n for n in blocks if n not in REFERENCES and objectives and all(blocks[n][k] for k in objectives))
     if not tuned:
         return None
-    points = [[float(np.mean(blocks[n][k])) for k in OBJECTIVES] for n in tuned]
+    points = [[float(np.mean(blocks[n][k])) for k in objectives] for n in tuned]
     scores = knee_scores(points)
     return min(zip(scores, tuned))[1]
 
 
-def choose_best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The knee rule (tuning.pareto.knee_scores) on measured values; runs too short for a
-    ``mix_efficiency`` are judged on throughput alone."""
-    from tuning.pareto import knee_scores
-
-    keys = [k for k in OBJECTIVES if all((r["measured"].get(k) or 0) > 0 for r in rows)]
-    if not rows or "throughput_tokens_per_s" not in keys:
-        return None
-    scores = knee_scores([[r["measured"][k] for k in keys] for r in rows])
-    return min(zip(scores, [r["name"] for r in rows], rows, strict=True), key=lambda t: (t[0], t[1]))[2]
-
-
 def _evidence(blocks: dict[str, dict[str, list[float]]], looks: int, block_takes: int
               ) -> tuple[str | None, list[Comparison], Recommendation | None]:
-    complete = {n: b for n, b in blocks.items() if all(b[k] for k in OBJECTIVES)}
-    if not complete:
+    """(the tuned config under test, its comparisons, the recommendation) on the objectives every
+    measured configuration has (:func:`tuning.evidence.measured_objectives`); configurations
+    without a throughput block are left out."""
+    measured = {n: b for n, b in blocks.items() if b["throughput_tokens_per_s"]}
+    objectives = measured_objectives(measured)
+    if not objectives:
         return None, [], None
-    chosen = choose_tuned(complete)
-    comps = chosen_comparisons(complete, chosen, max_looks=looks) if chosen else []
-    peak = {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in complete.items()}
-    return chosen, comps, recommend(complete, peak, max_looks=looks, block_takes=block_takes)
+    chosen = choose_tuned(measured, objectives)
+    comps = chosen_comparisons(measured, chosen, max_looks=looks, objectives=objectives) if chosen else []
+    peak = {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in measured.items()}
+    return chosen, comps, recommend(measured, peak, max_looks=looks, block_takes=block_takes, objectives=objectives)
+
+
+def stop_reason(rows: list[dict[str, Any]], comps: list[Comparison]) -> str:
+    """Why validation ended, from the evidence: a configuration failed and its blocks were dropped
+    (``failed``, whatever else is resolved: its comparisons are missing), every comparison resolved
+    (``resolved``, early or at the last look), or the budget spent with differences still open
+    (``budget``; also when there was nothing to compare)."""
+    if any(r["status"] == "failed" for r in rows):
+        return "failed"
+    return "resolved" if comps and all_resolved(comps) else "budget"
 
 
 # --------------------------------------------------------------------------- one configuration's row
@@ -528,7 +531,7 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
     payload = clean_json({
         "takes": args.takes, "block_takes": args.block_takes, "max_looks": looks,
         "rounds": max((r["block"] + 1 for r in done), default=0),
-        "stopped": "resolved" if any(r["status"] == "skipped" for r in rows) else "budget",
+        "stopped": stop_reason(rows, comps), "objectives": list(measured_objectives(blocks)),
         "calibration": args.calibration, "selection": args.selection_path,
         "base_config": base.to_dict(), "chosen": rec.name if rec else None, "tested": chosen,
         "comparisons": [c.as_json() for c in comps],
