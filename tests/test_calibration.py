@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -259,3 +260,21 @@ def test_calibration_learns_a_per_byte_transfer_cost_from_timed_takes(tmp_path: 
     plain_fit = np.mean([p["drafter_fixed_s"] + p["drafter_per_token_s"] * r["tokens"]
                          + p["drafter_per_anchor_s"] * r["anchors"] for r in rows])
     assert plain_fit > 1.05 * mean_true  # without the timed moves, the drafter absorbs them
+
+
+def test_produce_records_dropped_at_a_resume_do_not_inflate_the_target_costs(sim_run, tmp_path: Path) -> None:
+    """A resumed run keeps the produce records of taken items only (the rest are produced again), so
+    a worker's records have holes; the fit through them must equal the fit of the whole stream."""
+    _, run = sim_run
+    holed = tmp_path / "run"
+    shutil.copytree(run, holed)
+    path = holed / "produce.jsonl"
+    rows = path.read_text().splitlines()
+    keep = random.Random(5).sample(range(len(rows)), k=int(0.6 * len(rows)))
+    path.write_text("".join(rows[i] + "\n" for i in sorted(keep)))
+    whole, cut = calibrate([run], DflashConfig())["timing"], calibrate([holed], DflashConfig())["timing"]
+    assert cut["target_per_token_s"] == pytest.approx(whole["target_per_token_s"], rel=0.05)
+    lengths = [r["padded_len"] for r in read_records(run, "produce")]
+    mean = [np.mean([t["target_fixed_s"] + t["target_per_token_s"] * n + t["target_per_token2_s"] * n * n
+                     for n in lengths]) for t in (whole, cut)]
+    assert mean[1] == pytest.approx(mean[0], rel=0.02)

@@ -149,7 +149,7 @@ def _words(pick: str, candidates: Sequence[str], against_best: Sequence[Comparis
     text = f"{pick}: the lowest peak queue memory ({peak_bytes.get(pick, math.nan) / 2**30:.2f} GiB) among the " \
            f"configurations not resolved worse than the measured best {on}"
     if others:
-        text += f" ({', '.join(others)} are not resolved apart from it)"
+        text += f" ({', '.join(others)} {'is' if len(others) == 1 else 'are'} not resolved apart from it)"
     open_ = [c for c in against_best if not c.resolved and (c.config in candidates)]
     more = [m for m in (takes_to_resolve(c, block_takes) for c in open_) if m is not None]
     if more:
