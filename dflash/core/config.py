@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,6 +27,9 @@ POLICIES = ("fullest", "fifo", "random_item", "random_bucket", "proportional")
 GATES = ("threshold", "hysteresis")
 ORDERS = ("random", "length_grouped", "sorted")
 SAMPLES = ("conversation", "first_exchange")
+DATASET_AUTO = "auto"  # the target's regenerated replies if cached, else the packaged ShareGPT
+DATASET_PACKAGED = "sharegpt"  # the packaged ShareGPT file, exactly
+DATASET_NAMES = (DATASET_AUTO, DATASET_PACKAGED)
 DRAFTER_SYNCS = ("step", "none")
 SWEEP_SAMPLERS = ("nsga2", "tpe", "grid")
 
@@ -94,7 +98,9 @@ def _range_text(lo: int | None, hi: int | None) -> str:
 class WorkloadConfig:
     """What the target reads and how the sampler turns sequences into queue items."""
 
-    dataset: str = "sharegpt"  # "sharegpt" = the packaged file; else a path to JSON/JSONL
+    # "auto": the target's regenerated replies when `dflash regenerate` has cached them, else the packaged
+    # ShareGPT; "sharegpt": the packaged file; else a path to JSON/JSONL (dflash.data.dataset_choice).
+    dataset: str = "sharegpt"
     sample: str = "conversation"
     max_len: int = 2048
     bucket_bounds: tuple[int, ...] = (128, 256, 512, 1024, 2048)
@@ -110,11 +116,18 @@ class WorkloadConfig:
     length_median: float = 1800.0
     length_sigma: float = 0.6
     n_sequences: int = 20000
+    # Content fingerprint of the file a run trained on (set when a run pins its data; a changed file is refused).
+    dataset_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dataset, str) or not self.dataset:
-            raise ConfigError("workload.dataset", "must be 'sharegpt' or a path to a JSON/JSONL file",
+        if (not isinstance(self.dataset, str) or not self.dataset or (
+                self.dataset not in DATASET_NAMES and Path(self.dataset).suffix.lower() not in (".json", ".jsonl"))):
+            raise ConfigError("workload.dataset", "must be 'auto', 'sharegpt' or a path to a .json/.jsonl file",
                               self.dataset)
+        if self.dataset_fingerprint is not None and (not isinstance(self.dataset_fingerprint, str) or not re.fullmatch(
+                r"[0-9a-f]{16}", self.dataset_fingerprint)):
+            raise ConfigError("workload.dataset_fingerprint", "must be 16 hex digits (written by dflash train)",
+                              self.dataset_fingerprint)
         check_choice("workload.sample", self.sample, SAMPLES)
         check_int("workload.max_len", self.max_len, 1)
         bounds = self.bucket_bounds

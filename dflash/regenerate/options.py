@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash.core.config import DflashConfig, check_float
 from dflash.core.errors import ConfigError
-from dflash.regenerate.writer import failed_path, sidecar_path
+from dflash.data.regenerated_cache import cache_path, failed_path, sidecar_path, work_path
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_CONCURRENCY = 8
@@ -34,7 +34,7 @@ LOCAL_ONLY = (("batch_size", "--batch-size"), ("device", "--device"))
 class Options:
     """The verb's flags, validated, with defaults filled in (None: does not apply to the back end)."""
 
-    out: Path
+    out: Path  # where this run writes (in cache mode: the cache's work file)
     backend: str
     turns: str
     limit: int | None
@@ -49,6 +49,7 @@ class Options:
     timeout: float = DEFAULT_TIMEOUT_S
     batch_size: int = DEFAULT_BATCH_SIZE
     device: str | None = None
+    publish_to: Path | None = None  # cache mode (no --out): the cache file a finished run is moved to
 
     @property
     def sampling(self) -> bool:
@@ -58,7 +59,8 @@ class Options:
 # --------------------------------------------------------------------------- checks (Verb.check)
 def check_flags(args: argparse.Namespace) -> None:
     """What one flag's own check cannot judge; raises ConfigError (one line, exit 2) before anything runs."""
-    _check_out_files(Path(str(args.out)).expanduser(), str(args.out))
+    if args.out is not None:  # without --out: the cache, whose place needs the config (options_from)
+        _check_out_files(Path(str(args.out)).expanduser(), str(args.out))
     _check_backend_flags(args)
     _check_decoding(args.temperature, args.top_p)
     if args.backend == "server":
@@ -139,10 +141,18 @@ def server_base_url(url: str) -> str:
     return base
 
 
+def _destination(args: argparse.Namespace, cfg: DflashConfig) -> dict[str, Path]:
+    """``--out`` as given, or the cache of the configured target (written in its work file, then published)."""
+    if args.out is not None:
+        return {"out": Path(str(args.out)).expanduser()}
+    published = cache_path(cfg.target.model)
+    return {"out": work_path(published), "publish_to": published}
+
+
 def options_from(args: argparse.Namespace, cfg: DflashConfig) -> Options:
     """The flags :func:`check_flags` and the option table passed, with the config's defaults filled in."""
     temperature = float(args.temperature) if args.temperature is not None else 0.0
-    common = {"out": Path(str(args.out)).expanduser(), "backend": args.backend, "turns": args.turns,
+    common = {**_destination(args, cfg), "backend": args.backend, "turns": args.turns,
               "limit": args.limit, "temperature": temperature,
               "max_new_tokens": int(args.max_new_tokens or cfg.workload.max_len),
               "top_p": float(args.top_p) if args.top_p is not None else 1.0, "seed": int(cfg.seed)}

@@ -16,11 +16,13 @@ import argparse
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from dflash.core.config import DflashConfig
+from dflash.core.config import DATASET_AUTO, DATASET_PACKAGED, DflashConfig
 from dflash.core.errors import ConfigError
 from dflash.data.conversations import load_conversations, resolve_dataset
+from dflash.data.regenerated_cache import publish, start_work
 from dflash.regenerate.options import Options, options_from
 from dflash.regenerate.progress import Progress
 from dflash.regenerate.prompts import Job, Source, prompt_sources
@@ -44,36 +46,64 @@ class Plan:
 
 
 def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
-    """``dflash regenerate``: plan, open the back end, generate, summarise (0; 130 when interrupted)."""
+    """``dflash regenerate``: plan, open the back end, generate, summarise (0; 130 when interrupted).
+    Without ``--out`` the run writes the target's cache: in its work file, published when finished."""
     opts = options_from(args, cfg)
-    plan = plan_run(opts, cfg)
+    source = resume_point(opts)
+    plan = plan_run(opts, cfg, source)
+    if opts.publish_to is not None and source == opts.publish_to and not plan.todo:
+        print(f"regenerate: the cache {opts.publish_to} is complete for this selection ({plan.selected} records); "
+              "nothing to do", file=sys.stderr)
+        return 0
     generate, target = open_backend(opts, cfg, plan)  # the slow step, and the last place bad input surfaces
     settings = check_target(opts, plan, target)
+    if opts.publish_to is not None:
+        start_work(opts.publish_to)
     session = Session(opts, settings, target, plan.existing, plan.selection)
     output = Output(opts.out, plan.existing)
     announce(opts, cfg, plan)
     progress = Progress(len(plan.todo))
     status = generate_into(generate, plan.todo, output, session, progress)
+    if status == "finished" and opts.publish_to is not None:
+        publish(opts.out, opts.publish_to)
     summarise(opts, plan, progress)
     if status == "interrupted":
-        print("interrupted: run the same command again to finish (done records are skipped)", file=sys.stderr)
+        kept = " (the cache keeps what it held: nothing is published until the run finishes)" if opts.publish_to \
+            else ""
+        print(f"interrupted: run the same command again to finish (done records are skipped){kept}", file=sys.stderr)
         return 130
     return 0
 
 
-def plan_run(opts: Options, cfg: DflashConfig) -> Plan:
-    """Read the prompts and the existing output; refuse a file made with other settings. Writes nothing."""
-    data_path = resolve_dataset(cfg.workload.dataset)
+def prompt_dataset(value: str) -> str:
+    """The prompts' data set: ``"auto"`` means the packaged ShareGPT here (the cache is this verb's output,
+    never its input)."""
+    return DATASET_PACKAGED if value == DATASET_AUTO else value
+
+
+def resume_point(opts: Options) -> Path:
+    """The file this run continues: ``--out``; in cache mode the work file a killed run left, else the
+    published cache (copied to the work file before anything is written), else a fresh work file."""
+    if opts.publish_to is None or opts.out.exists() or not opts.publish_to.exists():
+        return opts.out
+    return opts.publish_to
+
+
+def plan_run(opts: Options, cfg: DflashConfig, source: Path | None = None) -> Plan:
+    """Read the prompts and the existing output (``source``, default ``opts.out``); refuse a file made
+    with other settings. Writes nothing."""
+    data_path = resolve_dataset(prompt_dataset(cfg.workload.dataset), cfg.target.model)
     convs, stats = load_conversations(data_path, "conversation", cfg.workload.max_conversations)
     sources, ineligible = prompt_sources(convs, opts.turns)
     if not sources:
         raise ConfigError("workload.dataset", "has no record that opens with a user turn (nothing to regenerate)",
                           cfg.workload.dataset)
     selected = sources[: opts.limit] if opts.limit is not None else sources
-    settings = run_settings(opts, dataset_identity(data_path, cfg.workload.dataset))
-    existing = inspect_output(opts.out)
+    settings = run_settings(opts, dataset_identity(data_path, prompt_dataset(cfg.workload.dataset)))
+    source = source if source is not None else opts.out
+    existing = inspect_output(source)
     if existing.sidecar is not None:
-        compare_settings(existing.sidecar["settings"], settings, opts.out, keys=list(settings))
+        compare_settings(existing.sidecar["settings"], settings, source, keys=list(settings))
     selection = {"dataset_records": stats.records, "eligible": len(sources), "ineligible": ineligible + stats.skipped,
                  "broken": stats.broken, "selected": len(selected)}
     return Plan(eligible=len(sources), selected=len(selected), todo=[s for s in selected if s.id not in
@@ -145,7 +175,13 @@ def summarise(opts: Options, plan: Plan, progress: Progress) -> None:
     pps, tps = progress.rates()
     total = plan.existing.records + progress.records
     failed = f" (see {failed_path(opts.out)})" if progress.failed else ""
+    where = opts.publish_to if opts.publish_to is not None and opts.publish_to.exists() and not opts.out.exists() \
+        else opts.out
     print(f"regenerated {progress.records} records ({progress.replies} replies, {progress.tokens} new tokens) in "
           f"{progress.elapsed:.1f} s: {pps:.3f} prompts/s, {tps:.1f} tokens/s; {progress.failed} failed{failed}, "
-          f"{progress.skipped} skipped (prompt over workload.max_len); {opts.out} holds {total} records")
-    print(f"train on it: [workload] dataset = \"{opts.out}\"; settings in {sidecar_path(opts.out)}")
+          f"{progress.skipped} skipped (prompt over workload.max_len); {where} holds {total} records")
+    if where == opts.publish_to:
+        print(f"published: [workload] dataset = \"auto\" trains on it (the CPU profiles do); settings in "
+              f"{sidecar_path(where)}")
+    else:
+        print(f"train on it: [workload] dataset = \"{where}\"; settings in {sidecar_path(where)}")

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash.core.errors import ConfigError
+from dflash.data.regenerated_cache import FORMAT, failed_path, sidecar_path
 
-FORMAT = "dflash-regenerate/1"
+__all__ = ["FORMAT", "Emit", "Existing", "Failure", "Output", "error_text", "failed_path", "inspect_output", "now_iso",
+           "record_line", "sidecar_path"]
 # json.dumps(ensure_ascii=False) leaves these raw, and str.splitlines() (data.conversations) breaks lines at them.
 _LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 
@@ -38,14 +40,6 @@ class Failure:
 
 # A back end hands what finished (records, failures) to this; the run writes them and the sidecar.
 Emit = Callable[[list[dict[str, Any]], list[Failure]], None]
-
-
-def sidecar_path(out: Path) -> Path:
-    return out.with_name(out.name + ".meta.json")
-
-
-def failed_path(out: Path) -> Path:
-    return out.with_name(out.name + ".failed.jsonl")
 
 
 def record_line(record: dict[str, Any]) -> bytes:

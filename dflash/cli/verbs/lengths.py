@@ -11,8 +11,10 @@ from dflash.core.config import DflashConfig
 def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     """Tokenise (or read the cache of) the configured data set; print its size and bucket shares."""
     from dflash.core.sampler import bucket_of
+    from dflash.data.dataset_choice import pin_dataset
     from dflash.data.lengths import cached_lengths
 
+    cfg = pin_dataset(cfg)  # "auto" resolved once and said in one line (the length cache keys on that file)
     w = cfg.workload
     table = cached_lengths(w, model=cfg.target.model)
     counts = [0] * len(w.bucket_bounds)

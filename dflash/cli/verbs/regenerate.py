@@ -28,7 +28,9 @@ def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
 
 
 VERB = Verb("regenerate the data set's replies with the target (ShareGPT JSONL out)", check=_check, opts=(
-        Opt("--out", "outfile", "ShareGPT-format JSONL to write or extend", required=True, metavar="DATA.jsonl"),
+        Opt("--out", "outfile", "ShareGPT-format JSONL to write or extend (default: the target's cache, "
+            "<cache dir>/regenerated/<target>.jsonl, published when complete; dataset = \"auto\" trains on it)",
+            metavar="DATA.jsonl"),
         Opt("--backend", "choice", "who generates: local transformers generate, or an OpenAI-compatible server",
             choices=("transformers", "server"), default="transformers", metavar="{transformers,server}"),
         Opt("--url", "str", "base URL of the OpenAI-compatible server (with --backend server)", metavar="URL"),

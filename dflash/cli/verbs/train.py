@@ -38,6 +38,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         out, resume = _run_dir(args, cfg)
     if resume == "finished":
         return 0
+    cfg = _pin_data(cfg)
     check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
     from dflash.core.memory_model import check_fits
 
@@ -55,6 +56,16 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         _prepare(out, cfg, resume=bool(resume))
     spec = RunSpec(cfg, str(out), resume=bool(resume), wandb=args.wandb, **debug_knobs())
     return launch(spec, args.nproc_per_node)
+
+
+def _pin_data(cfg: DflashConfig) -> DflashConfig:
+    """The data file resolved once (``"auto"``: the regenerated cache if complete), said in one line by the
+    first rank, fingerprinted; the run's config.json records it and a resume refuses a changed file."""
+    from dflash.data.dataset_choice import pin_dataset
+    from dflash.pipeline.launch import under_launcher
+
+    first = not under_launcher() or _is_first_rank()
+    return pin_dataset(cfg, say=None if first else (lambda _line: None))
 
 
 def debug_knobs() -> dict[str, Any]:
@@ -139,7 +150,7 @@ def _finished(out: Path) -> dict[str, Any] | None:
 
 def _prepare(out: Path, cfg: DflashConfig, *, resume: bool) -> None:
     """A new run: the directory, emptied of a run killed before its first checkpoint, and its config."""
-    from dflash.core.records import clean_json
+    from dflash.core.run_config import write_run_config
 
     if not resume:
         if out.exists() and (out / "config.json").exists() and _restartable(out):
@@ -150,7 +161,7 @@ def _prepare(out: Path, cfg: DflashConfig, *, resume: bool) -> None:
             for p in out.glob("*.parquet"):
                 p.unlink()
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(clean_json(cfg.to_dict()), indent=1, default=str))
+        write_run_config(out, cfg)
 
 
 def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
