@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
+from dflash.core.precision import autocast_on, state_dtype_name
 from dflash.pipeline.channel import Channel, connect
 from dflash.pipeline.roles import DATA_NCCL, Roles, check_world, data_plane, device_for
 from dflash.pipeline.transport import make_transport
@@ -176,8 +177,8 @@ class RankRun:
         self.layer_ids = capture_layer_ids(self.target.num_layers, self.cfg.target.capture_layers)
         self.data = TrainingData(self.cfg, self.target.tokenizer)
         self.sampler = self.data.sampler
-        self.autocast = self.device.type == "cuda"
-        self.state_dtype = torch.bfloat16 if self.autocast else torch.float32
+        self.autocast = autocast_on(self.device.type)  # the precision rule: dflash.core.precision
+        self.state_dtype = getattr(torch, state_dtype_name(self.device.type))
         if self.roles.is_target:
             self.capture = HiddenStateCapture(self.target.model, self.layer_ids)
         else:
@@ -212,10 +213,9 @@ class RankRun:
         else:
             start_step, run_id, state, ckpt = 0, f"real-{uuid.uuid4().hex[:8]}", ResumeState(), None
             if not (self.out / "config.json").exists():
-                from dflash.core.records import clean_json
+                from dflash.core.run_config import write_run_config
 
-                (self.out / "config.json").write_text(json.dumps(clean_json(self.cfg.to_dict()), indent=1,
-                                                                 default=str))
+                write_run_config(self.out, self.cfg)
         self.service = CoordinatorService(self.cfg, self.roles, self.sampler, self.out, run_id, resume=state,
                                           wait_s=self.spec.wait_s, progress=self.progress)
         self.service.start()

@@ -31,8 +31,10 @@ from typing import Any
 import torch
 
 from dflash.core.config import DflashConfig
+from dflash.core.precision import autocast_on, state_dtype_name
 from dflash.core.queue_core import QueueItem
 from dflash.core.records import RecordWriter, clean_json, export_parquet, read_records
+from dflash.core.run_config import write_run_config
 from dflash.core.runmetrics import RunTrace, loss_roughness, run_metrics
 from dflash.core.sampler import ItemSpec, sampler_for
 from dflash.pipeline.checkpoint import (
@@ -65,7 +67,8 @@ class TrainingData:
 
         w = cfg.workload
         if conversations is None:
-            conversations, _ = load_conversations(resolve_dataset(w.dataset), w.sample, w.max_conversations)
+            path = resolve_dataset(w.dataset, cfg.target.model)
+            conversations, _ = load_conversations(path, w.sample, w.max_conversations)
         self.conversations = conversations
         self.tokenizer = tokenizer
         self.max_len = w.max_len
@@ -129,8 +132,8 @@ class Trainer:
         self.drafter_device = torch.device(ddev[0])
         # On CUDA: fp32 master weights with bf16 autocast, and the queued states in bf16 (half the
         # queue memory); on the CPU everything is fp32.
-        self.autocast = self.drafter_device.type == "cuda"
-        self.state_dtype = torch.bfloat16 if self.autocast else torch.float32
+        self.autocast = autocast_on(self.drafter_device.type)
+        self.state_dtype = getattr(torch, state_dtype_name(self.drafter_device.type))
 
         t0 = time.perf_counter()
         self.target = target if target is not None else load_target(cfg.target.model, device=tdev[0])
@@ -170,7 +173,7 @@ class Trainer:
         self._items_lock = threading.Lock()
         self._producers_left = len(tdev)
         if not resume:  # the run's own config: `--resume` and `tune-live` read it
-            (self.out / "config.json").write_text(json.dumps(clean_json(cfg.to_dict()), indent=1, default=str))
+            write_run_config(self.out, cfg)
         self._stop_signal: str | None = None
         self._errors: list[BaseException] = []
         self._refused_ids: list[str] = []  # finished by a producer after the stop: produced and discarded
