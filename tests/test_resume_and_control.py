@@ -244,3 +244,15 @@ def test_eval_measures_tau_on_held_out_prompts_of_a_run(tmp_path: Path, run_inpu
     used = trained_conversation_ids(out, load_config(cfg_path))
     assert 1 <= len(used) <= 6  # one sequence per item, at most six steps
     assert main(["eval", "--drafter", str(tmp_path)]) == 2  # not a drafter directory
+
+
+def test_a_finished_run_extends_when_a_limit_leaves_room() -> None:
+    """A finished time-budgeted run given a larger --max-minutes (or --max-steps) continues; limits
+    already reached, or none at all, leave it finished."""
+    from dflash.cli.verbs.train import has_room
+
+    assert has_room(100, 180.0, None, 5.0)  # 3 minutes trained, budget now 5
+    assert not has_room(100, 180.0, None, 3.0)  # budget reached
+    assert has_room(100, 180.0, 200, None) and not has_room(100, 180.0, 100, None)
+    assert not has_room(100, 180.0, 200, 3.0)  # more steps, but the time budget is spent
+    assert not has_room(100, 180.0, None, None)

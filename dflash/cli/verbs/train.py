@@ -109,16 +109,33 @@ def _run_dir(args: argparse.Namespace, cfg: DflashConfig) -> tuple[Path, str | b
     if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
         raise ConfigError("--out", "a resumed run continues in its own directory; omit --out", args.out)
     out = Path(args.resume)
-    _verified_checkpoint(out)
+    ckpt = _verified_checkpoint(out)
     finished = _finished(out)
-    if finished is not None and (cfg.train.max_steps is None or cfg.train.max_steps <= finished["steps"]):
+    if finished is not None and not str(finished.get("stopped_by", "")).startswith("signal") and not has_room(
+            int(finished["steps"]), _training_s(ckpt), cfg.train.max_steps, cfg.train.max_minutes):
         print(f"{out}: the run is finished ({finished['steps']} steps, stopped by {finished['stopped_by']}); give a "
-              f"larger --max-steps to extend it")
+              f"larger --max-steps or --max-minutes to extend it")
         return out, "finished"
     return out, True
 
 
-def _verified_checkpoint(out: Path) -> None:
+def has_room(steps: int, training_s: float, max_steps: int | None, max_minutes: float | None) -> bool:
+    """Whether limits leave a finished run something to train: at least one limit set and none reached
+    (an extension then opens a new schedule phase, dflash.pipeline.optim.LrSchedule.load_state_dict)."""
+    if max_steps is None and max_minutes is None:
+        return False
+    return (max_steps is None or max_steps > steps) and (max_minutes is None or 60.0 * max_minutes > training_s)
+
+
+def _training_s(ckpt: Path) -> float:
+    """Training time of every session so far, from the newest checkpoint (memory-mapped: no full load)."""
+    import torch
+
+    state = torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu", mmap=True)
+    return float(state.get("elapsed_s", 0.0))
+
+
+def _verified_checkpoint(out: Path) -> Path:
     from dflash.pipeline.checkpoint import CheckpointError, checkpoint_dirs, latest_verified
     from dflash.pipeline.ledger import read_ledger
 
@@ -126,7 +143,7 @@ def _verified_checkpoint(out: Path) -> None:
         raise ConfigError("--resume", "must be a run directory with a checkpoint; a run killed before its first "
                           f"checkpoint starts again in place with --out {out}", str(out))
     try:
-        latest_verified(out, {s for s, _ in read_ledger(out)}, warn=print)
+        return latest_verified(out, {s for s, _ in read_ledger(out)}, warn=print)[0]
     except (CheckpointError, ValueError) as exc:
         raise ConfigError("--resume", f"refused: {exc}", show_got=False) from None
 
