@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         out, resume = _run_dir(args, cfg)
     if resume == "finished":
         return 0
-    cfg = _pin_data(cfg)
+    said: list[str] = []
+    cfg = _pin_data(cfg, said.append)
     check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
     from dflash.core.memory_model import check_fits
 
@@ -48,6 +50,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         from dflash.data.preflight import check_data_inputs
 
         check_data_inputs(cfg.workload, cfg.target.model)
+        print(*said, file=sys.stderr, flush=True)  # the data line, once the data proved usable
     if any(d != "cpu" for d in (*cfg.target.devices, *cfg.drafter.devices)) and (not under_launcher()
                                                                                   or _is_first_rank()):
         print("note: [target] devices and [drafter] devices are not used by dflash train: each rank uses "
@@ -58,14 +61,14 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     return launch(spec, args.nproc_per_node)
 
 
-def _pin_data(cfg: DflashConfig) -> DflashConfig:
+def _pin_data(cfg: DflashConfig, say: Any) -> DflashConfig:
     """The data file resolved once (``"auto"``: the regenerated cache if complete), said in one line by the
     first rank, fingerprinted; the run's config.json records it and a resume refuses a changed file."""
     from dflash.data.dataset_choice import pin_dataset
     from dflash.pipeline.launch import under_launcher
 
     first = not under_launcher() or _is_first_rank()
-    return pin_dataset(cfg, say=None if first else (lambda _line: None))
+    return pin_dataset(cfg, say=say if first else (lambda _line: None))
 
 
 def debug_knobs() -> dict[str, Any]:
