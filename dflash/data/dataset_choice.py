@@ -12,7 +12,6 @@ A pinned config whose file has changed since (another fingerprint) is refused. T
 from __future__ import annotations
 
 import hashlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +80,7 @@ def choose_dataset(value: str, target: str) -> DataChoice:
 
 def pin_dataset(cfg: DflashConfig, say: Callable[[str], None] | None = None) -> DflashConfig:
     """``cfg`` with its data file resolved and fingerprinted (module docstring); ``say`` gets the one line
-    (default: stderr; pass ``lambda _l: None`` in processes that must stay quiet)."""
+    (default: stdout; pass ``lambda _l: None`` in processes that must stay quiet)."""
     w = cfg.workload
     choice = choose_dataset(w.dataset, cfg.target.model)
     if w.dataset_fingerprint is not None and w.dataset_fingerprint != choice.fingerprint:
@@ -107,4 +106,4 @@ def _short(path: Path) -> str:
 
 
 def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    print(line, flush=True)  # stdout: stderr carries only errors (one line on a bad input)
