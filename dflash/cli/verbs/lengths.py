@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from dflash.cli.options import Verb
 from dflash.core.config import DflashConfig
@@ -19,7 +18,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     cfg = pin_dataset(cfg, say=said.append)  # "auto" resolved once (the length cache keys on that file)
     w = cfg.workload
     table = cached_lengths(w, model=cfg.target.model)
-    print(*said, file=sys.stderr)  # the data line, once the data proved usable (bad input stays one line)
+    print(*said)  # the data line, once the data proved usable (bad input stays one line)
     counts = [0] * len(w.bucket_bounds)
     for n in table.lengths:
         counts[bucket_of(n, w.bucket_bounds)] += 1

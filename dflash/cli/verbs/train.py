@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         from dflash.data.preflight import check_data_inputs
 
         check_data_inputs(cfg.workload, cfg.target.model)
-        print(*said, file=sys.stderr, flush=True)  # the data line, once the data proved usable
+        print(*said, flush=True)  # the data line, once the data proved usable
     if any(d != "cpu" for d in (*cfg.target.devices, *cfg.drafter.devices)) and (not under_launcher()
                                                                                   or _is_first_rank()):
         print("note: [target] devices and [drafter] devices are not used by dflash train: each rank uses "
