@@ -132,7 +132,7 @@ def test_a_run_pins_the_file_and_refuses_it_changed(cache, capsys):
     cfg = DflashConfig(workload=WorkloadConfig(dataset="auto"))
     pinned = pin_dataset(cfg)
     assert pinned.workload.dataset == str(path) and pinned.workload.dataset_fingerprint == fingerprint(path)
-    assert capsys.readouterr().err.count("data: regenerated replies of smollm2") == 1
+    assert capsys.readouterr().out.count("data: regenerated replies of smollm2") == 1
     path.unlink()  # the cache is gone: the pinned run still names its own file, never falls back
     with pytest.raises(ConfigError, match=r"workload\.dataset"):
         pin_dataset(pinned)
@@ -208,7 +208,7 @@ def test_regenerate_writes_the_cache_and_auto_trains_on_it(cache, model_dir, tmp
     auto_cfg = config_file(tmp_path / "auto.toml", "auto", model_dir)
     assert main(["lengths", "--config", str(auto_cfg)]) == 0
     captured = capsys.readouterr()
-    assert f"data: regenerated replies of {model_dir}, 2 conversations" in captured.err
+    assert f"data: regenerated replies of {model_dir}, 2 conversations" in captured.out
     assert "length table: 2 sequences" in captured.out and str(published) in captured.out
 
 
