@@ -17,6 +17,19 @@ SHAREGPT_SHARES = (0.024, 0.030, 0.102, 0.161, 0.684)
 SHAREGPT_BOUNDS = (128, 256, 512, 1024, 2048)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Decoding runs many tiny ops; with two OpenMP threads on two busy cores their spin-waits made
+    these tests 30-100x slower (measured, test_acceptance.py). One thread is as fast here when idle
+    and robust when not. Modules opt in: ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(params=ALL_POLICIES)
 def policy_name(request: pytest.FixtureRequest) -> str:
     return request.param

@@ -37,14 +37,7 @@ MASK_ID = 4
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Decoding runs many tiny ops; with two OpenMP threads on two busy cores their spin-waits made
-    these tests 30-100x slower (measured). One thread is as fast here when idle and robust when not."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -45,13 +45,7 @@ MAX_NEW = 24
 MAX_LEN = 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Many tiny ops: two OpenMP threads on two busy cores spin-wait (see test_acceptance.py)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from dflash.cli import main
 from dflash.core.config import DflashConfig, WorkloadConfig, load_config
@@ -32,13 +31,7 @@ from tests.tiny_models import tiny_llama
 MAX_LEN = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Many tiny ops: two OpenMP threads on two busy cores spin-wait (see test_acceptance.py)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
