@@ -67,14 +67,12 @@ class DataChoice:
 
 def choose_dataset(value: str, target: str) -> DataChoice:
     """Resolve ``workload.dataset`` for ``target.model`` (ConfigError on a bad value or missing file)."""
-    path = resolve_dataset(value, target)
     cache = cache_state(target) if value == DATASET_AUTO else None
-    if cache is not None and cache.complete:
-        kind = "regenerated"
-    elif value in (DATASET_AUTO, DATASET_PACKAGED) or path == _packaged_or_none():
-        kind = "packaged"
+    if cache is not None and cache.complete:  # read the sidecar once: resolve_dataset would read it again
+        path, kind = cache.path, "regenerated"
     else:
-        kind = "file"
+        path = resolve_dataset(DATASET_PACKAGED if cache is not None else value, target)
+        kind = "packaged" if value in (DATASET_AUTO, DATASET_PACKAGED) or path == _packaged_or_none() else "file"
     return DataChoice(value, target, path, kind, fingerprint(path), cache)
 
 
@@ -87,7 +85,7 @@ def pin_dataset(cfg: DflashConfig, say: Callable[[str], None] | None = None) -> 
         raise ConfigError("workload.dataset", f"{choice.path} has changed since this run was pinned to it "
                           f"(fingerprint {w.dataset_fingerprint} then, {choice.fingerprint} now): its item ids "
                           "no longer name the same conversations; restore the file or start a new run", w.dataset)
-    (say or _stderr)(choice.line())
+    (say or print)(choice.line())
     return with_overrides(cfg, {"workload.dataset": choice.pinned_value,
                                 "workload.dataset_fingerprint": choice.fingerprint})
 
@@ -104,6 +102,3 @@ def _short(path: Path) -> str:
     text = str(path)
     return "~" + text[len(home):] if home != "/" and text.startswith(home + "/") else text
 
-
-def _stderr(line: str) -> None:
-    print(line, flush=True)  # stdout: stderr carries only errors (one line on a bad input)

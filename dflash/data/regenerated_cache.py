@@ -133,8 +133,3 @@ def publish(work: Path, published: Path) -> None:
         if src.is_file():
             os.replace(src, dst)
 
-
-def discard_work(work: Path) -> None:
-    """A work copy that received nothing (the cache was already complete): remove it."""
-    for p in companions(work):
-        p.unlink(missing_ok=True)
