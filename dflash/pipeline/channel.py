@@ -102,6 +102,15 @@ class Hub:
             out.append((rank, self.channels[rank].recv(30.0)))
         return out
 
+    def retire(self, rank: int) -> None:
+        """``rank`` said its last word (bye): it may now exit, and its closed end is no longer an error.
+
+        Without this, a rank that leaves while its peers are still finishing (a drafter whose bye came
+        before the host drafter's on a loaded machine) made the next poll read its EOF and fail the run.
+        """
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(self.channels[rank].sock)
+
     def send(self, rank: int, msg: dict[str, Any]) -> None:
         self.channels[rank].send(msg)
 

@@ -226,6 +226,7 @@ class CoordinatorService:
     def _on_bye(self, rank: int, msg: dict[str, Any], t: float) -> None:
         """Drafters say bye after their last step (the host rank after its final checkpoint), producers after stop."""
         self._byes[rank] = msg
+        self.hub.retire(rank)  # it may exit now; its closed channel is not a failure
         if set(self.roles.drafter_ranks) <= set(self._byes) and not self.coord.stopped:
             self._stop(t, self._byes[self.roles.coordinator_rank])
         if len(self._byes) == self.roles.world_size and self.summary is not None:
