@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dflash.core.config import WorkloadConfig
+from dflash.core.errors import ConfigError
 from dflash.core.sampler import Sampler, bucket_of, parse_item_id
 from tests.conftest import SHAREGPT_BOUNDS, synthetic_lengths
 
@@ -112,7 +113,7 @@ def test_sequences_without_an_eligible_anchor_are_dropped_and_counted() -> None:
     kept = {k for it in s.epoch(0) for k in it.seq_indices}
     assert kept == {0} and s.dropped_no_anchor == 3  # truncation at 96 leaves 92 no room; 93 and 39 none either
     assert Sampler(lengths, wl(seqs_per_item=1), prompt_lengths=prompts).dropped_no_anchor == 0  # no block size
-    with pytest.raises(ValueError, match="no sequence has an anchor"):
+    with pytest.raises(ConfigError, match=r"workload\.max_len: no sequence has an anchor"):  # one line, exit 2
         Sampler([20], wl(), prompt_lengths=[19], block_size=8)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from dflash.core.config import DflashConfig, WorkloadConfig
+from dflash.core.errors import ConfigError
 
 # Epoch orders kept formed: workers read the current epoch and (at resume, replay) a few earlier ones.
 # More only costs memory: a simulated week of training walks hundreds of epochs (benchmarks/sim_memory.py).
@@ -92,8 +93,9 @@ class Sampler:
             keep = [has_anchor(n, p, workload.max_len, block_size)
                     for n, p in zip(self.lengths, self.prompt_lengths, strict=True)]
             if not any(keep):
-                raise ValueError(f"no sequence has an anchor position (a response token with room for a block of "
-                                 f"{block_size} within max_len {workload.max_len})")
+                raise ConfigError("workload.max_len", f"no sequence has an anchor position (a response token "
+                                  f"with room for a block of {block_size} tokens within max_len): a larger max_len "
+                                  f"or other data is needed", workload.max_len)
         self.dropped_no_anchor = keep.count(False)
         self._by_bucket = [[i for i, b in enumerate(self.seq_bucket) if b == bk and keep[i]]
                            for bk in range(self.n_buckets)]
