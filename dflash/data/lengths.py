@@ -27,10 +27,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,6 +38,7 @@ from dflash.core.atomic import atomic_write_text
 from dflash.core.config import WorkloadConfig
 from dflash.core.errors import ConfigError
 from dflash.data.cache_dir import default_cache_dir
+from dflash.data.cache_entry import exclusive, load_or_build
 from dflash.data.conversations import Conversation, ParseStats, load_conversations, resolve_dataset
 
 LENGTHS_FORMAT = 2  # bump when rendering or counting changes: old cache files stop matching
@@ -137,24 +135,15 @@ def load_tokenizer(model: str = "smollm2", cache_dir: str | Path | None = None) 
 
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     cached = root / "tokenizers" / f"{gguf.stem}-{_hash(_file_id(gguf), 12)}"
-    if (cached / "tokenizer_config.json").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
-        except Exception:  # a damaged cache entry: convert again below
-            shutil.rmtree(cached, ignore_errors=True)
-    elif cached.exists():  # a partial entry would block the os.replace below
-        shutil.rmtree(cached, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}.", dir=cached.parent))
-    try:
-        tok.save_pretrained(str(tmp))
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, cached)
-    except OSError:  # another process got there first, or the cache is read-only: fine
-        pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def convert(tmp: Path) -> None:
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                      local_files_only=True).save_pretrained(str(tmp))
+
+    tok = load_or_build(cached, lambda e: (e / "tokenizer_config.json").is_file(), convert,
+                        lambda e: AutoTokenizer.from_pretrained(str(e), local_files_only=True))
+    if tok is None:  # the cache cannot be written: convert every time
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     return tok
 
 
@@ -354,6 +343,17 @@ def cached_lengths(workload: WorkloadConfig, model: str = "smollm2", cache_dir: 
     if table is not None:
         return table
 
+    with exclusive(cache.path(key, data_path, sample)):  # ranks starting together tokenise once
+        table = cache.load(key, data_path, sample)  # computed by another process while we waited
+        if table is not None:
+            return table
+        return _tokenise_and_store(workload, model, mid, cache, data_path, tid, tok, progress)
+
+
+def _tokenise_and_store(workload: WorkloadConfig, model: str, mid: Mapping[str, Any], cache: LengthCache,
+                        data_path: Path, tid: Mapping[str, Any], tok: Any, progress: bool) -> LengthTable:
+    sample, max_conv = workload.sample, workload.max_conversations
+    key = cache.key(data_path, tid, sample, max_conv)
     convs, stats = load_conversations(data_path, sample, max_conv)  # none usable: a one-line ConfigError
     if tok is None:
         tok = load_tokenizer(model, cache.dir)

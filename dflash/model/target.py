@@ -20,9 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +31,7 @@ import torch
 from torch import nn
 
 from dflash.core.errors import ConfigError
+from dflash.data.cache_entry import load_or_build
 from dflash.data.conversations import Conversation
 from dflash.data.lengths import default_cache_dir, load_tokenizer, resolve_model
 
@@ -111,13 +109,8 @@ def _freeze(model: nn.Module) -> nn.Module:
     return model
 
 
-def _convert_gguf(gguf: Path, entry: Path) -> None:
-    """Dequantise ``gguf`` once and save it as safetensors at ``entry``, atomically.
-
-    The model is written into a temporary sibling directory, then renamed into place: a reader
-    either sees no entry or a whole one, and two processes converting at once both succeed (the
-    loser's copy is dropped).
-    """
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise ``gguf`` and save it as float32 safetensors in the empty directory ``out``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -127,18 +120,9 @@ def _convert_gguf(gguf: Path, entry: Path) -> None:
     with contextlib.suppress(AttributeError):
         del model.config.quantization_config
     model.hf_quantizer = None
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
-    try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        (tmp / _MARKER).write_text(json.dumps({"gguf": str(gguf.resolve()),
-                                               "format": MODEL_CACHE_FORMAT}), encoding="utf-8")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, entry)
-    except OSError:  # another process got there first, or the cache is read-only
-        pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / _MARKER).write_text(json.dumps({"gguf": str(gguf.resolve()), "format": MODEL_CACHE_FORMAT}),
+                               encoding="utf-8")
 
 
 def _load_pretrained(path_or_id: str, dtype: torch.dtype, local: bool) -> nn.Module:
@@ -180,24 +164,14 @@ def load_target(model: str = "smollm2", device: str | torch.device = "cpu",
     cache_hit = False
     if gguf is not None:
         entry = gguf_cache_entry(gguf, root)
-        net: nn.Module | None = None
-        if (entry / _MARKER).is_file():
-            try:
-                net = _load_pretrained(str(entry), dtype, local=True)
-                cache_hit = True
-            except Exception:  # a damaged entry: convert again
-                shutil.rmtree(entry, ignore_errors=True)
-        elif entry.exists():  # a partial entry would block the rename
-            shutil.rmtree(entry, ignore_errors=True)
-        if net is None:
-            _convert_gguf(gguf, entry)
-            if (entry / _MARKER).is_file():
-                net = _load_pretrained(str(entry), dtype, local=True)
-            else:  # read-only cache: load straight from the GGUF every time
-                from transformers import AutoModelForCausalLM
+        cache_hit = (entry / _MARKER).is_file()
+        net = load_or_build(entry, lambda e: (e / _MARKER).is_file(), lambda out: _convert_gguf(gguf, out),
+                            lambda e: _load_pretrained(str(e), dtype, local=True))
+        if net is None:  # read-only cache: load straight from the GGUF every time
+            from transformers import AutoModelForCausalLM
 
-                net = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                           local_files_only=True, dtype=dtype)
+            net = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                       local_files_only=True, dtype=dtype)
         source = str(gguf)
         tokenizer = load_tokenizer(model, root)
     elif p.is_dir():
