@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash.core.config import DflashConfig, with_overrides
+from dflash.core.config import DATASET_AUTO, DflashConfig, with_overrides
 from dflash.core.errors import ConfigError
 
 APPLIED_TABLES = ("timing", "loss_model")
@@ -44,8 +44,7 @@ def apply_calibration(cfg: DflashConfig, path: str | Path | None, warn: bool = T
         return cfg
     data = read_calibration(path)
     if warn and isinstance(data.get("profile"), dict):
-        ours = _profile(cfg)
-        diff = [f"{k} {v!r} (config: {ours[k]!r})" for k, v in data["profile"].items() if k in ours and ours[k] != v]
+        diff = profile_differences(data["profile"], _profile(cfg))
         if diff:
             print(f"dflash: warning: {path} was fitted to another setup: {'; '.join(diff)}", file=sys.stderr)
     overrides = {f"{table}.{k}": v for table in APPLIED_TABLES for k, v in (data.get(table) or {}).items()}
@@ -98,13 +97,38 @@ def calibrate(paths: Sequence[str | Path], base: DflashConfig, seed: int = 0) ->
     return out
 
 
+DATA_KEYS = ("dataset", "dataset_fingerprint")
+
+
+def profile_differences(fitted: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """What differs between the setup a calibration was fitted to and ``ours``, in words.
+
+    The data is compared by content where both sides know it (``dataset_fingerprint``, pinned by
+    every run since the dataset choice became "auto"), so "auto" in one place and the file it
+    resolved to in the other is the same data; a file fitted before pinning (no fingerprint, maybe
+    "auto") is compared by name only when neither name is "auto", since "auto" names no file."""
+    diff = [f"{k} {v!r} (config: {ours[k]!r})" for k, v in fitted.items()
+            if k in ours and k not in DATA_KEYS and ours[k] != v]
+    f_print, o_print = fitted.get("dataset_fingerprint"), ours.get("dataset_fingerprint")
+    if f_print and o_print:
+        if f_print != o_print:
+            diff.append(f"data {fitted.get('dataset')!r} with fingerprint {f_print} (config: "
+                        f"{ours.get('dataset')!r}, fingerprint {o_print}): the length mix and loss levels differ")
+    else:
+        names = (fitted.get("dataset"), ours.get("dataset"))
+        if "dataset" in fitted and DATASET_AUTO not in names and names[0] != names[1]:
+            diff.append(f"dataset {names[0]!r} (config: {names[1]!r})")
+    return diff
+
+
 def _profile(cfg: DflashConfig) -> dict[str, Any]:
     """What the fitted rates belong to: change any of these and the calibration no longer applies."""
     return {"target": cfg.target.model, "target_devices": list(cfg.target.devices),
             "drafter_devices": list(cfg.drafter.devices), "drafter_layers": cfg.drafter.layers,
             "block_size": cfg.drafter.block_size, "anchors": cfg.drafter.anchors,
             "capture_layers": cfg.target.capture_layers, "bucket_bounds": list(cfg.workload.bucket_bounds),
-            "dataset": cfg.workload.dataset, "sample": cfg.workload.sample, "max_len": cfg.workload.max_len}
+            "dataset": cfg.workload.dataset, "dataset_fingerprint": cfg.workload.dataset_fingerprint,
+            "sample": cfg.workload.sample, "max_len": cfg.workload.max_len}
 
 
 def _check_compatible(inputs: Sequence[Any]) -> None:
@@ -114,7 +138,9 @@ def _check_compatible(inputs: Sequence[Any]) -> None:
     ignore = {"anchors", "target_devices", "drafter_devices"}
     first = {k: v for k, v in keyed[0][1].items() if k not in ignore}
     for path, prof in keyed[1:]:
-        diff = [k for k, v in first.items() if prof[k] != v]
+        diff = [k for k, v in first.items() if k not in DATA_KEYS and prof[k] != v]
+        if profile_differences({k: first[k] for k in DATA_KEYS}, {k: prof[k] for k in DATA_KEYS}):
+            diff.append("data")
         if diff:
             raise ConfigError("--run", f"runs fitted together must share {', '.join(diff)} ({keyed[0][0]} and "
                                        f"{path} differ); calibrate them separately", str(path), show_got=False)

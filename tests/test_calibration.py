@@ -278,3 +278,23 @@ def test_produce_records_dropped_at_a_resume_do_not_inflate_the_target_costs(sim
     mean = [np.mean([t["target_fixed_s"] + t["target_per_token_s"] * n + t["target_per_token2_s"] * n * n
                      for n in lengths]) for t in (whole, cut)]
     assert mean[1] == pytest.approx(mean[0], rel=0.02)
+
+
+# --------------------------------------------------------------------------- fitted to which data
+FP_A, FP_B = "0123456789abcdef", "fedcba9876543210"
+
+
+@pytest.mark.parametrize(("fitted", "ours", "differs"), [
+    ({"dataset": "auto", "dataset_fingerprint": FP_A}, {"dataset": "sharegpt", "dataset_fingerprint": FP_A}, False),
+    ({"dataset": "sharegpt", "dataset_fingerprint": FP_A}, {"dataset": "sharegpt", "dataset_fingerprint": FP_B}, True),
+    ({"dataset": "auto"}, {"dataset": "sharegpt", "dataset_fingerprint": FP_A}, False),  # before pinning
+    ({"dataset": "sharegpt"}, {"dataset": "/data/mine.jsonl", "dataset_fingerprint": FP_A}, True),
+    ({"dataset": "sharegpt"}, {"dataset": "sharegpt", "dataset_fingerprint": FP_A}, False),
+])
+def test_the_data_a_calibration_was_fitted_on_is_compared_by_content(fitted, ours, differs) -> None:
+    from simulator.calibration import profile_differences
+
+    diff = profile_differences({"target": "smollm2", **fitted}, {"target": "smollm2", **ours})
+    assert bool(diff) is differs, diff
+    if differs:
+        assert len(diff) == 1 and ("fingerprint" in diff[0] or "dataset" in diff[0])

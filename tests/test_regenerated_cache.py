@@ -220,3 +220,13 @@ def test_extending_the_cache_keeps_the_published_file_whole(cache, model_dir, tm
     assert "max_new_tokens: 8 there, 5 now" in err
     assert published.read_bytes() == grown
 
+
+
+def test_a_simulation_reads_the_data_choice_once_and_says_it(cache, tmp_path, capsys):
+    """``dataset = "auto"`` is resolved before the handler (Verb.pins_data), so the verb's every stage
+    reads one file; the line saying which file appears exactly once."""
+    place_regenerated("smollm2", ids=tuple(f"r{i}" for i in range(40)))
+    cfg = config_file(tmp_path / "auto.toml", "auto", "smollm2")
+    assert main(["simulate", "--sim-seconds", "20", "--config", str(cfg)]) == 0
+    said = capsys.readouterr().out
+    assert said.count("data: regenerated replies of smollm2, 40 conversations") == 1, said

@@ -186,6 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if extras:
             raise UsageError(prog, f"unrecognized arguments: {' '.join(extras)}")
         cfg = validate(verb_name, args)
+        if VERBS[verb_name].pins_data:
+            from dflash.data.dataset_choice import pin_dataset
+
+            cfg = pin_dataset(cfg)
         with removed_on_bad_input(new_outputs(VERBS[verb_name], args)):
             return HANDLERS[verb_name](args, cfg)
     except UsageError as exc:

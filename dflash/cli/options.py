@@ -67,6 +67,9 @@ class Verb:
     cpu_profile: bool = False  # with no --config on a CPU machine, start from the packaged CPU profile
     check: Check | None = None
     base_config: BaseConfig | None = None
+    # resolve workload.dataset ("auto") once before the handler and say which file, so every stage of
+    # the verb (and every run it starts, via the config it writes) reads the same conversations
+    pins_data: bool = False
 
     def all_opts(self) -> tuple[Opt, ...]:
         return (SEED, *(QUEUE_OPTS if self.queue_flags else ()), *self.opts)

@@ -25,6 +25,9 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     def stage(k: int, title: str) -> None:
         print(f"\n== {k}/{DEMO_STEPS} {title} ({time.perf_counter() - t0:.0f} s so far) ==", flush=True)
 
+    from dflash.data.dataset_choice import pin_dataset
+
+    cfg = pin_dataset(cfg, say=lambda _line: None)  # every stage and run reads one file; stage 1 says which
     stage(1, "token lengths of the data set")
     lengths.handle(args, cfg)
     stage(2, f"a short real CPU run to calibrate ({cal_steps} steps, {cfg.queue.min_ready}/{cfg.queue.max_depth} "

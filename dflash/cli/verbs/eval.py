@@ -19,12 +19,14 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
 
     from dflash.core.atomic import atomic_write_text
     from dflash.core.records import clean_json
+    from dflash.data.dataset_choice import pin_dataset
     from dflash.model.acceptance import evaluate_acceptance, heldout_prompts
     from dflash.model.drafter import DFlashDrafter
     from dflash.model.target import load_target
 
     run_dir, drafter_dir = drafter_dirs(Path(args.drafter))
     run_cfg = load_run_config(run_dir) if (run_dir / "config.json").is_file() else cfg
+    run_cfg = pin_dataset(run_cfg)  # held-out prompts come from the file the run trained on (a changed one: refused)
     target = load_target(run_cfg.target.model, device=run_cfg.target.devices[0])
     drafter = DFlashDrafter.load(drafter_dir, target.model)
     n = int(args.prompts) if args.prompts is not None else DEFAULT_PROMPTS

@@ -114,7 +114,7 @@ def format_metrics(m: dict[str, Any]) -> str:
     ])
 
 
-VERB = Verb("one simulated run", queue_flags=True, opts=(
+VERB = Verb("one simulated run", queue_flags=True, pins_data=True, opts=(
         Opt("--n-target", "int", "target workers (>= 1)", key="cluster.n_target", metavar="N"),
         Opt("--n-drafter", "int", "drafter workers (>= 1)", key="cluster.n_drafter", metavar="N"),
         Opt("--sim-seconds", "float", "simulated seconds (> 0)", lo=0, metavar="S"),

@@ -33,7 +33,7 @@ def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
         check_storage_flag(args.storage)
 
 
-VERB = Verb("Optuna study over the simulator", queue_flags=True, check=_check, opts=(
+VERB = Verb("Optuna study over the simulator", queue_flags=True, check=_check, pins_data=True, opts=(
         Opt("--trials", "int", "complete trials of distinct configurations in the study, all workers and "
             "restarts together (>= 1; fewer if the space holds fewer)", lo=1, metavar="N"),
         Opt("--storage", "str", "journal file path, sqlite:///FILE or postgresql://URL (default: OUT/study.journal)",

@@ -59,7 +59,8 @@ def _check(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
                                        "by validation workers", args.storage)
 
 
-VERB = Verb("run the selection on the real trainer; compare with predictions", check=_check, cpu_profile=True, opts=(
+VERB = Verb("run the selection on the real trainer; compare with predictions", check=_check, cpu_profile=True,
+            pins_data=True, opts=(
         Opt("--selection", "infile", "selection file (instead of --study)", metavar="FILE"),
         Opt("--study", "str", "study to select from (instead of --selection)", metavar="NAME"),
         Opt("--storage", "str", "Optuna storage URL of --study", metavar="URL"),
