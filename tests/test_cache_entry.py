@@ -47,18 +47,23 @@ def _racer(entry: str, log: str, barrier, out: str) -> None:
     Path(out).write_text(json.dumps(got))
 
 
-def _race(tmp_path: Path, entry: Path) -> list[list[str]]:
+def _start_together(target, args: tuple, outs: list[Path], timeout_s: float = 300) -> list:
+    """Run ``target(*args, barrier, out)`` in one spawned process per ``out``, released at once by a
+    barrier; their JSON results, in order."""
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(N_PROCS)
-    log = tmp_path / "builds.log"
-    outs = [tmp_path / f"out{i}.json" for i in range(N_PROCS)]
-    procs = [ctx.Process(target=_racer, args=(str(entry), str(log), barrier, str(o))) for o in outs]
+    barrier = ctx.Barrier(len(outs))
+    procs = [ctx.Process(target=target, args=(*args, barrier, str(o))) for o in outs]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(60)
+        p.join(timeout_s)
         assert p.exitcode == 0, f"a racer failed (exit {p.exitcode})"
     return [json.loads(o.read_text()) for o in outs]
+
+
+def _race(tmp_path: Path, entry: Path) -> list[list[str]]:
+    outs = [tmp_path / f"out{i}.json" for i in range(N_PROCS)]
+    return _start_together(_racer, (str(entry), str(tmp_path / "builds.log")), outs)
 
 
 def _builds(tmp_path: Path) -> int:
@@ -128,17 +133,8 @@ def _tokenizer_racer(cache: str, barrier, out: str) -> None:
 
 def test_ranks_converting_the_packaged_tokenizer_at_once_all_get_it(tmp_path: Path) -> None:
     """The real conversion (the packaged GGUF's tokenizer) raced by three processes."""
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(3)
-    outs = [tmp_path / f"tok{i}.json" for i in range(3)]
     cache = tmp_path / "cache"
-    procs = [ctx.Process(target=_tokenizer_racer, args=(str(cache), barrier, str(o))) for o in outs]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0
-    got = [json.loads(o.read_text()) for o in outs]
+    got = _start_together(_tokenizer_racer, (str(cache),), [tmp_path / f"tok{i}.json" for i in range(3)])
     assert got[0][0] == 49_152 and "<|im_start|>" in got[0][1]
     assert got == [got[0]] * 3
     entries = [p.name for p in (cache / "tokenizers").iterdir() if not p.name.startswith(".")]
@@ -157,14 +153,5 @@ def _lengths_racer(cache: str, barrier, out: str) -> None:
 
 def test_ranks_asking_for_the_same_length_table_at_once_tokenise_once(tmp_path: Path) -> None:
     """Each table carries its own tokenising time: one computation means one time, read by all."""
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(3)
-    outs = [tmp_path / f"len{i}.json" for i in range(3)]
-    procs = [ctx.Process(target=_lengths_racer, args=(str(tmp_path / "cache"), barrier, str(o))) for o in outs]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0
-    got = [json.loads(o.read_text()) for o in outs]
+    got = _start_together(_lengths_racer, (str(tmp_path / "cache"),), [tmp_path / f"len{i}.json" for i in range(3)])
     assert got[0][0] > 200 and got == [got[0]] * 3, got
