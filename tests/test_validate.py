@@ -17,6 +17,7 @@ import pytest
 from dflash.cli import main
 from dflash.core.config import config_from_dict, load_config, with_overrides
 from dflash.core.records import read_records
+from dflash.data.dataset_choice import pin_dataset
 from tuning.claims import ClaimStore
 from tuning.validate import within_goals
 
@@ -140,7 +141,10 @@ def test_validate_runs_the_selection_on_the_real_trainer_and_writes_best_toml(tm
     assert steps == list(range(12))  # block 2 continued block 1's run: every step once, in order
     best = load_config(out / "best.toml")
     chosen = next(r for r in payload["configs"] if r["name"] == payload["chosen"])
-    assert best == with_overrides(load_config(profile), {f"queue.{k}": v for k, v in chosen["queue"].items()})
+    # the full run trains on the data the recommendation was measured on: best.toml carries the pin
+    validated = pin_dataset(load_config(profile), say=lambda _line: None)
+    assert best.workload.dataset_fingerprint == validated.workload.dataset_fingerprint is not None
+    assert best == with_overrides(validated, {f"queue.{k}": v for k, v in chosen["queue"].items()})
     assert f"dflash train --config {out / 'best.toml'}" in capsys.readouterr().out
     # The same job again: every config is done, nothing runs twice, the summary is the same.
     mtimes = {p: p.stat().st_mtime for p in (out / "runs").rglob("metrics.json")}
