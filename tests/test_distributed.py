@@ -46,7 +46,7 @@ def dflash(*args: str, timeout: float = JOB_TIMEOUT_S, run: Path | None = None) 
 
 def epoch_items(cfg_path: Path) -> list[str]:
     from dflash.data.lengths import load_tokenizer
-    from dflash.pipeline.trainer import TrainingData
+    from dflash.pipeline.training_data import TrainingData
 
     cfg = load_config(cfg_path)
     data = TrainingData(cfg, load_tokenizer(str(cfg.target.model)))

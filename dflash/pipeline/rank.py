@@ -168,7 +168,7 @@ class RankRun:
 
     def _load(self) -> None:
         from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
-        from dflash.pipeline.trainer import TrainingData
+        from dflash.pipeline.training_data import TrainingData
 
         self.status("loading the target and the data")
         where = self.device if self.roles.is_target else "cpu"  # a drafter rank needs only its embedding/LM head
