@@ -37,6 +37,7 @@ from dflash.model.export_reference import (
     MANIFEST,
     MANIFEST_VERSION,
     REFERENCE_FILE,
+    ExportCheckError,
     Reference,
     compare,
     make_reference,
@@ -45,15 +46,6 @@ from dflash.model.export_reference import (
     sha256_of,
     write_manifest,
 )
-
-
-class ExportCheckError(Exception):
-    """An export that fails a check; ``what`` names the key, tensor or file, ``detail`` says how."""
-
-    def __init__(self, what: str, detail: str) -> None:
-        self.what = what
-        self.detail = detail
-        super().__init__(f"{what}: {detail}")
 
 
 @dataclass
@@ -308,5 +300,5 @@ def check_export(out: str | Path, *, independent: bool = True) -> CheckReport:
     return report
 
 
-__all__ = ["CheckReport", "ExportCheckError", "check_export", "expected_shapes", "export_drafter", "read_manifest",
+__all__ = ["CheckReport", "check_export", "expected_shapes", "export_drafter", "read_manifest",
            "saved_drafter", "target_info"]

@@ -16,8 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from dflash.model.export import ExportCheckError
-from dflash.model.export_reference import MANIFEST, REFERENCE_FILE, Reference, compare, read_json
+from dflash.model.export_reference import MANIFEST, REFERENCE_FILE, ExportCheckError, Reference, compare, read_json
 
 READER = Path(__file__).with_name("export_reader_speculators.py")
 VENV_ENV = "DFLASH_SPECULATORS_VENV"

@@ -38,6 +38,18 @@ VOCAB_ROWS = 256  # LM-head rows the stored logits cover (all rows for a smaller
 RTOL, ATOL = 1e-4, 1e-4
 
 
+class ExportCheckError(Exception):
+    """An export that fails a check; ``what`` names the key, tensor or file, ``detail`` says how.
+
+    Defined here, beside the manifest and the reference every check reads, so that both checkers
+    (:mod:`~dflash.model.export` and :mod:`~dflash.model.export_independent`) import it from below."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what = what
+        self.detail = detail
+        super().__init__(f"{what}: {detail}")
+
+
 @dataclass(frozen=True)
 class Reference:
     """The fixed input and the trained drafter's output on it (all float32 except the ids)."""

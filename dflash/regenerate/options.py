@@ -15,11 +15,13 @@ import argparse
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from dflash.core.config import DflashConfig, check_float
 from dflash.core.errors import ConfigError
 from dflash.data.regenerated_cache import cache_path, failed_path, sidecar_path, work_path
 
+EXTRA = "pip install 'dflash-tune[server]'"
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_CONCURRENCY = 8
 DEFAULT_RETRIES = 3
@@ -65,8 +67,6 @@ def check_flags(args: argparse.Namespace) -> None:
     _check_decoding(args.temperature, args.top_p)
     if args.backend == "server":
         _check_url(args.url)
-        from dflash.regenerate.server import require_openai
-
         require_openai()
     elif args.device is not None:
         check_device("--device", str(args.device))
@@ -110,6 +110,17 @@ def _check_url(url: str | None) -> None:
         parts.port  # noqa: B018 (raises ValueError on a bad port)
     except ValueError:
         raise ConfigError("--url", "has an invalid port", url) from None
+
+
+def require_openai() -> ModuleType:
+    """The ``openai`` module, or the one-line error (exit 2) that names the extra to install.
+
+    It lives with the flag checks (the server back end calls it too) so the check never imports the back end."""
+    try:
+        import openai
+    except ImportError:
+        raise ConfigError("--backend", f"server needs the openai client library: {EXTRA}", show_got=False) from None
+    return openai
 
 
 def check_device(key: str, dev: str) -> str:

@@ -10,7 +10,7 @@ after another; each request waits at most ``--timeout`` seconds and is retried `
 times. ``--server-model`` names the model, by default the first one ``/v1/models`` lists. With
 ``OPENAI_API_KEY`` set, requests carry it as the bearer token (else the placeholder ``EMPTY``,
 vLLM's convention for servers without a key). ``openai`` is an extra (``dflash-tune[server]``),
-imported only inside :func:`require_openai`; the back end imports no torch.
+imported only inside :func:`~dflash.regenerate.options.require_openai`; the back end imports no torch.
 """
 
 from __future__ import annotations
@@ -19,26 +19,15 @@ import asyncio
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 from dflash.core.errors import ConfigError
-from dflash.regenerate.options import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, Options
+from dflash.regenerate.options import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, Options, require_openai
 from dflash.regenerate.progress import PROGRESS_EVERY_S, Progress
 from dflash.regenerate.prompts import Job, Reply
 from dflash.regenerate.writer import Emit, Failure, error_text
 
-EXTRA = "pip install 'dflash-tune[server]'"
 NO_KEY = "EMPTY"  # sent when OPENAI_API_KEY is unset: the client needs some key, keyless servers ignore it
-
-
-def require_openai() -> ModuleType:
-    """The ``openai`` module, or the one-line error (exit 2) that names the extra to install."""
-    try:
-        import openai
-    except ImportError:
-        raise ConfigError("--backend", f"server needs the openai client library: {EXTRA}", show_got=False) from None
-    return openai
 
 
 class RequestFailed(Exception):

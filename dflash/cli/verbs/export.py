@@ -65,7 +65,8 @@ def _print_report(title: str, report: Any) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from dflash.cli.runs import load_run_config
-    from dflash.model.export import ExportCheckError, export_drafter, read_manifest
+    from dflash.model.export import export_drafter, read_manifest
+    from dflash.model.export_reference import ExportCheckError
     from dflash.model.export_serving import serving_commands
     from dflash.model.target import load_target
 
@@ -90,7 +91,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _check(path: Path) -> int:
-    from dflash.model.export import ExportCheckError, check_export
+    from dflash.model.export import check_export
+    from dflash.model.export_reference import ExportCheckError
 
     try:
         report = check_export(path)
