@@ -43,7 +43,7 @@ class QueuePut(Put):
         self.proc = env.active_process
         self.item = item
         self.index = worker
-        self.t_request = env._now  # type: ignore[attr-defined]
+        self.t_request = env.now
         resource.put_queue.append(self)
         resource._trigger_put(None)
 
@@ -145,7 +145,7 @@ class SimHSQueue(BaseResource):
                 self._admit()
             return request, items
         if core.closed and core.depth == 0:
-            return TakeRequest(drafter, step, self._env._now), None  # type: ignore[attr-defined]
+            return TakeRequest(drafter, step, self._env.now), None
         return None
 
     def take_items(self, drafter: int, step: int | None = None, t_request: float | None = None
@@ -205,7 +205,7 @@ class SimHSQueue(BaseResource):
         """True when no other compute ends at the current time: then no other put or take can
         happen at this instant, deciding now cannot break the same-instant order, and the settle
         event is skipped. Ties, as with deterministic timing, take the deferred, ordered path."""
-        return self._env._now not in self._ending  # type: ignore[attr-defined]
+        return self._env.now not in self._ending
 
     def _trigger_put(self, get_event: Any) -> None:
         if self._puts_scheduled:
