@@ -254,7 +254,7 @@ def test_check_of_an_intact_export_and_of_a_tampered_reference(run, tmp_path, ca
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
     """A run whose target directory carries a tokenizer (SmolLM2's), as dflash train's targets do."""
-    from dflash.data.lengths import load_tokenizer
+    from dflash.data.model_source import load_tokenizer
 
     root = tmp_path_factory.mktemp("cli")
     target = tiny_llama(seed=3, init_std=0.2)

@@ -94,6 +94,15 @@ def model_dir_without_model(d: Path) -> None:
     (d / "model.toml").write_text(f'[target]\nmodel = "{d / "model"}"\n')
 
 
+def model_dir_without_weights(d: Path) -> None:
+    (d / "model").mkdir()
+    (d / "model" / "config.json").write_text('{"model_type": "llama"}')
+
+
+def nothing(d: Path) -> None:
+    """No set-up: the hostile part is in the command line alone."""
+
+
 def not_sqlite(d: Path) -> None:
     (d / "study.db").write_text("this is a text file\n")
     sweep_cfg(d)
@@ -159,6 +168,16 @@ CASES = [
      ["workload.dataset", "damaged"]),
     ("lengths with a model directory without a model", model_dir_without_model, ["lengths", "--config", "model.toml"],
      ["target.model", "no model"]),
+    # An output path that permission bits allow (root, pseudo file systems) but that cannot be written:
+    # tried before the simulation runs (dflash.cli.command.try_outputs), not found at the first write.
+    ("simulate --json in /proc", nothing, ["simulate", "--sim-seconds", "10", "--json", "/proc/x.json"],
+     ["--json", "cannot be written"]),
+    # Everything about the target a launcher can check comes before train creates its run directory.
+    ("train with a .gguf path that names nothing", nothing,
+     ["train", "--target", "/nonexistent/model.gguf", "--max-steps", "2", "--out", "DIR"],
+     ["target.model (--target)", "no such file"]),
+    ("train with a model directory without weights", model_dir_without_weights,
+     ["train", "--target", "model", "--max-steps", "2", "--out", "DIR"], ["target.model (--target)", "weights"]),
 ]
 
 
@@ -207,6 +226,21 @@ def test_a_study_with_other_settings_leaves_no_new_output_directory(tmp_path: Pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--study" in err and "seeds_per_trial" in err
     assert tree(tmp_path) == before
+
+
+def test_a_hub_id_that_cannot_be_fetched_leaves_no_run_directory(tmp_path: Path) -> None:
+    """Offline, an unknown hub id fails in the launching process, before the run directory exists
+    (the ranks used to find out, after ``DIR/.ranks`` and ``DIR/config.json`` were written)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "dflash", "train", "--target", "nosuch-org/nosuch-model",
+                          "--max-steps", "2", "--out", "DIR"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "target.model (--target): cannot load a model" in out.stderr, out.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_damaged_records_are_counted_and_the_count_printed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

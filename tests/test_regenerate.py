@@ -50,7 +50,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tok():
-    from dflash.data.lengths import load_tokenizer
+    from dflash.data.model_source import load_tokenizer
 
     return load_tokenizer("smollm2")
 

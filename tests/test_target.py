@@ -20,7 +20,7 @@ from tests.tiny_models import tiny_llama
 
 @pytest.fixture(scope="module")
 def smol_tok():
-    from dflash.data.lengths import load_tokenizer
+    from dflash.data.model_source import load_tokenizer
 
     return load_tokenizer("smollm2")
 

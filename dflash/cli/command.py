@@ -12,15 +12,19 @@ with the validated, frozen config. Any bad input on that path is one line on std
 status 2, before anything is written. A handler may raise :class:`~dflash.core.errors.ConfigError`
 for inputs it validates itself; it is reported the same way, and any output path of the verb's
 ``outfile``/``outdir`` flags that did not exist before the handler ran is removed again
-(:func:`removed_on_bad_input`), so a refused start leaves nothing behind.
+(:func:`removed_on_bad_input`), so a refused start leaves nothing behind. Each output path is
+tried (a file created and removed where it will go, :func:`try_outputs`) before the handler runs:
+permission bits alone pass ``/proc`` and read-only mounts.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -147,6 +151,38 @@ def new_outputs(verb: Verb, args: argparse.Namespace) -> list[Path]:
     return paths
 
 
+def try_outputs(verb: Verb, args: argparse.Namespace) -> None:
+    """Every output flag's path can really be written: tried, not predicted (raises ConfigError).
+
+    :func:`~dflash.cli.options.check_out_path` reads permission bits (``os.access``), which say yes
+    to root everywhere and say nothing of read-only mounts or pseudo file systems (``/proc``): such a
+    path used to pass, the work ran, and the first write was a traceback. Here a file is created and
+    removed where the output will go (an existing output file is opened for appending, unchanged),
+    before the handler runs, so nothing is left behind either way.
+    """
+    for opt in verb.all_opts():
+        value = getattr(args, opt.dest, None)
+        if opt.kind not in ("outfile", "outdir") or not value:
+            continue
+        for v in value if opt.repeat else (value,):
+            _try_writing(opt.flag, Path(v).absolute(), v)
+
+
+def _try_writing(flag: str, p: Path, given: str) -> None:
+    try:
+        if p.is_file():
+            with p.open("ab"):
+                return
+        where = p if p.is_dir() else p.parent
+        while not where.exists():
+            where = where.parent
+        fd, probe = tempfile.mkstemp(prefix=".dflash-write-test-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(flag, f"cannot be written here ({exc.strerror or exc})", given) from None
+
+
 @contextlib.contextmanager
 def removed_on_bad_input(paths: list[Path]) -> Iterator[None]:
     """A handler that refuses its input (ConfigError) leaves no output behind that it created."""
@@ -186,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if extras:
             raise UsageError(prog, f"unrecognized arguments: {' '.join(extras)}")
         cfg = validate(verb_name, args)
+        try_outputs(VERBS[verb_name], args)
         if VERBS[verb_name].pins_data:
             from dflash.data.dataset_choice import pin_dataset
 

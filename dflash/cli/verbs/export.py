@@ -46,11 +46,11 @@ def _check_flags(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
 
 def checkpoint_dir(target_model: str, source: str) -> str:
     """Where transformers loads the target from: the source itself, or for a GGUF target the
-    float32 safetensors conversion :func:`dflash.model.target.load_target` cached (when it did)."""
-    from dflash.data.lengths import default_cache_dir, resolve_model
-    from dflash.model.target import gguf_cache_entry
+    float32 safetensors conversion :mod:`dflash.data.model_source` cached (when it did)."""
+    from dflash.data.cache_dir import default_cache_dir
+    from dflash.data.model_source import find_model, gguf_cache_entry
 
-    gguf, _ = resolve_model(target_model)
+    gguf = find_model(target_model).gguf
     if gguf is None:
         return source
     entry = gguf_cache_entry(gguf, default_cache_dir())
