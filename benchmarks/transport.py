@@ -77,8 +77,8 @@ def pipeline(rank: int, n: int, tensors: tuple[torch.Tensor, ...], out: Path) ->
         ch.send({"op": "request", "step": step})
         reply = ch.recv(60)
         x = reply["transfers"][0]
-        got, dt = transport.recv(x["meta"]["tensors"], x["src"], x["round"])
-        transport.release(got)  # as the drafter does after its backward
+        lease, dt = transport.recv(x["meta"]["tensors"], x["src"], x["round"])
+        transport.release(lease)  # as the drafter does after its backward
         take = {"item_ids": [x["item_id"]], "compute_s": 0.0, "transfer_s": dt, "bytes": 0, "tokens": 0,
                 "n_seqs": 1, "anchors": 0, "counted_tokens": 0}
         ch.send({"op": "done", "step": step, "pid": os.getpid(), "takes": [take], "stages": {},

@@ -59,9 +59,10 @@ def _rank(rank: int, port: int, out: str) -> None:
                 transport.send(payload(r), dst, r)
             elif rank == dst:
                 status.write_text(f"receiving round {r} from {src}")
-                got, _ = transport.recv(describe(payload(r)), src, r)
-                for a, b in zip(got, payload(r), strict=True):
+                lease, _ = transport.recv(describe(payload(r)), src, r)
+                for a, b in zip(lease.tensors, payload(r), strict=True):
                     assert torch.equal(a, b), f"round {r}: rank {dst} got another round's tensor"
+                transport.release(lease)
         status.write_text("done")
         dist.barrier()
         dist.destroy_process_group()

@@ -23,6 +23,15 @@ DRAFTER = "drafter"
 DATA_GLOO = "gloo"  # CPU tensors over gloo (every CPU run)
 DATA_NCCL = "nccl"  # device to device over NCCL (one GPU per rank)
 DATA_HOST = "host"  # one GPU shared by the node's ranks: staged through host memory, gloo between ranks
+DATA_SHM = "shm"  # CPU ranks of one node: the producer's buffer is shared memory, only its handle travels
+DATA_IPC = "cuda-ipc"  # ranks sharing one GPU: the producer's device buffer is opened by CUDA IPC
+
+# A sharing plane upgrades a copying one when every rank is on one node; the copying one is its fallback
+# (used where the sharing is refused: the ranks probe it together at start).
+SHARING = {DATA_GLOO: DATA_SHM, DATA_HOST: DATA_IPC}
+FALLBACK = {shared: copying for copying, shared in SHARING.items()}
+CPU_DEFAULT_SHARING = True  # measured: benchmarks/transport.py (RESULTS.md, "data planes on the CPU")
+PLANE_CHOICES = ("auto", DATA_GLOO, DATA_SHM, DATA_HOST, DATA_IPC, DATA_NCCL)
 
 DEVICE_RULE = "each rank uses cuda:LOCAL_RANK when CUDA is available, else the CPU (set [cluster] n_target/n_drafter)"
 
@@ -89,6 +98,27 @@ def data_plane(cuda_devices: int, local_world_size: int) -> str:
         raise ConfigError("--nproc-per-node", f"at most the {cuda_devices} GPUs of this node per node ({DEVICE_RULE})",
                           local_world_size)
     return DATA_NCCL
+
+
+def choose_plane(placement: str, *, one_node: bool, requested: str = "auto") -> str:
+    """The plane to try, given the placement's copying plane (:func:`data_plane`).
+
+    ``auto``: the sharing plane where every rank is on one node (CPU ranks only when
+    ``CPU_DEFAULT_SHARING``), else the placement's own. A requested plane must fit the placement
+    (``DFLASH_DATA_PLANE``; ConfigError otherwise). The ranks still probe a sharing plane before using it.
+    """
+    if requested not in PLANE_CHOICES:
+        raise ConfigError("DFLASH_DATA_PLANE", f"must be one of {', '.join(PLANE_CHOICES)}", requested)
+    if requested == "auto":
+        if one_node and placement in SHARING and (placement != DATA_GLOO or CPU_DEFAULT_SHARING):
+            return SHARING[placement]
+        return placement
+    allowed = {placement} | ({SHARING[placement]} if one_node and placement in SHARING else set())
+    if requested not in allowed:
+        raise ConfigError("DFLASH_DATA_PLANE", f"must be one of {', '.join(sorted(allowed))} for this placement "
+                          f"({'all ranks on one node' if one_node else 'ranks on several nodes'}, "
+                          f"placement plane {placement})", requested)
+    return requested
 
 
 def device_for(local_rank: int, cuda_devices: int) -> str:

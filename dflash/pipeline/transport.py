@@ -1,29 +1,49 @@
 """The data plane: an item's tensors move producer -> drafter point-to-point in globally numbered rounds.
 
-Each rank runs its part of round ``r`` (all of an item's tensors, one ``batch_isend_irecv``) in
-increasing ``r``; the coordinator numbers the rounds, so crossed producer/drafter pairs cannot
-deadlock. Shapes and dtypes come in the control message (``meta``), so the receiver allocates
-before the sender's tensors arrive. A producer's tensors are untouched until its send completes.
+Each rank runs its part of round ``r`` in increasing ``r``; the coordinator numbers the rounds, so
+crossed producer/drafter pairs cannot deadlock. Shapes and dtypes come in the control message
+(``meta``), so the receiver lays out its tensors before anything arrives. A producer's tensors are
+untouched until its send completes.
 
-Three kinds, one interface (:class:`Transport`): ``gloo`` (CPU tensors, every CPU run), ``nccl``
-(device to device, one GPU per rank) and ``host`` (one GPU shared by the node's ranks: NCCL refuses
-two ranks on one device, so the tensors are staged through host memory and go over gloo).
+Five kinds, one interface (:class:`Transport`), chosen by placement (:mod:`dflash.pipeline.roles`):
+
+- ``gloo``: CPU tensors over gloo (the CPU fallback, and CPU ranks on several nodes);
+- ``nccl``: device to device (one GPU per rank);
+- ``host``: one GPU shared by the node's ranks, staged through host memory over gloo (the fallback
+  where CUDA IPC is refused: NCCL refuses two ranks on one device);
+- ``cuda-ipc`` and ``shm``: ranks of one node *share* the producer's buffer instead of copying it
+  (:class:`SharingTransport`). The producer packs the item into a pooled shared buffer (device memory
+  for CUDA IPC, a ``/dev/shm`` file for shm) and sends only its handle (a small uint8 tensor over
+  gloo, in the item's round); the drafter maps the buffer (once per buffer: mappings are cached) and
+  trains on views of it; its :meth:`Transport.release` sends a one-byte ack back (tag derived from
+  the round), and only then does the producer's sender thread return the buffer to its pool. So the
+  ownership rule holds: the producer keeps the bytes until the drafter says it is done with them.
+
+Every receive returns a :class:`Lease`: the tensors plus whatever backs them, and ``release(lease)``
+returns exactly that (pooled buffers are found by identity; tensors are never compared by value and
+no ``id()`` of a derived tensor is kept, which is what crashed the first GPU run).
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
+import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dflash.pipeline.roles import DATA_GLOO, DATA_HOST, DATA_NCCL
+from dflash.pipeline.roles import DATA_GLOO, DATA_HOST, DATA_IPC, DATA_NCCL, DATA_SHM
 
-POOL_BUFFERS = 4  # receive buffers kept for reuse
-ALIGN = 64  # byte alignment of each tensor inside a receive buffer
+POOL_BUFFERS = 4  # free buffers kept for reuse per pool
+ALIGN = 64  # byte alignment of each tensor inside a flat buffer
+HANDLE_BYTES = 4096  # fixed size of a sharing plane's handle message (length-prefixed pickle)
+MAPPED_PER_PEER = 8  # mapped producer buffers a drafter keeps open per producer
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)}
 
 
@@ -51,6 +71,84 @@ def nbytes(metas: tuple[TensorMeta, ...]) -> int:
     return sum(torch.Size(m.shape).numel() * DTYPES[m.dtype].itemsize for m in metas)
 
 
+def layout(metas: tuple[TensorMeta, ...]) -> tuple[list[int], list[int], int]:
+    """Byte offsets and sizes of the tensors inside one flat buffer (each aligned), and its total size."""
+    sizes = [torch.Size(m.shape).numel() * DTYPES[m.dtype].itemsize for m in metas]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    return offsets, sizes, total
+
+
+def views(flat: torch.Tensor, metas: tuple[TensorMeta, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors ``metas`` describes, as views of the flat uint8 buffer ``flat``."""
+    offsets, sizes, _ = layout(metas)
+    return tuple(flat[o:o + n].view(DTYPES[m.dtype]).view(m.shape)
+                 for o, n, m in zip(offsets, sizes, metas, strict=True))
+
+
+def pack(tensors: tuple[torch.Tensor, ...], flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Copy ``tensors`` into ``flat`` (one copy each); returns the views they now live in."""
+    out = views(flat, describe(tensors))
+    for dst, src in zip(out, tensors, strict=True):
+        dst.copy_(src)
+    return out
+
+
+class BufferPool:
+    """Flat uint8 buffers of one device kept for reuse: the smallest free one that fits is taken.
+
+    A fresh buffer is as large as the largest taken so far, so the pool settles on a few buffers that
+    fit every item (length buckets make items of a few sizes) instead of chasing each new size.
+
+    Buffers are found and removed by identity (``is``), never by ``==`` (which compares tensors by
+    value) and never by ``id()`` of a view. Thread-safe: a producer takes in one thread and gives back
+    in another. ``allocated`` counts fresh allocations (reuse leaves it unchanged).
+    """
+
+    def __init__(self, device: torch.device, keep: int = POOL_BUFFERS,
+                 make: Callable[[int], torch.Tensor] | None = None) -> None:
+        self.device, self.keep = device, keep
+        self._make = make or (lambda n: torch.empty(n, dtype=torch.uint8, device=device))
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+        self._largest = 1
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            self.allocated += 1
+            self._largest = max(self._largest, nbytes)
+            size = self._largest
+        return self._make(size)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if any(b is buf for b in self._free):
+                raise RuntimeError("a pooled buffer was given back twice")
+            self._free.append(buf)
+            if len(self._free) > self.keep:  # keep the largest: they fit every item the smaller ones fit
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+
+@dataclass(eq=False)
+class Lease:
+    """Received tensors and what backs them; give it back with :meth:`Transport.release` when done."""
+
+    tensors: tuple[torch.Tensor, ...]
+    buffer: torch.Tensor | None = None  # the pooled buffer the tensors view (gloo, nccl, host)
+    ack: tuple[int, int] | None = None  # (producer rank, round) a sharing plane acknowledges
+    released: bool = False
+
+
 @dataclass
 class PendingSend:
     """A posted send: its works and the tensors they read (kept alive until the send completes)."""
@@ -58,75 +156,79 @@ class PendingSend:
     works: list[Any]
     tensors: tuple[torch.Tensor, ...]
     t0: float
+    done: Callable[[], None] | None = None  # returns the send's pooled buffer, after every work finished
+    seconds: float = field(default=0.0)
 
     def wait(self) -> float:
         for w in self.works:
             w.wait()
         self.tensors = ()
+        if self.done is not None:
+            self.done()
+            self.done = None
         return time.perf_counter() - self.t0
 
 
+def data_tag(rnd: int) -> int:
+    return rnd % (1 << 30)
+
+
+def ack_tag(rnd: int) -> int:
+    """The drafter's done-with-it ack of round ``rnd`` (the other direction, its own tag space)."""
+    return (1 << 30) | (rnd % (1 << 30))
+
+
 class Transport:
-    """Send / receive one item's tensors in round ``r`` with its peer."""
+    """Send / receive one item's tensors in round ``r`` with its peer (gloo and NCCL: straight into a pooled buffer)."""
 
     kind: str
 
     def __init__(self, device: torch.device, group: Any = None) -> None:
         self.device = device
         self.group = group
-        self.wire = torch.device("cpu") if self.kind in (DATA_GLOO, DATA_HOST) else device
-        self._free: list[torch.Tensor] = []  # receive buffers handed back, reused by size
-        self._lent: dict[int, torch.Tensor] = {}  # id of a receive's first view -> its buffer
+        self.pool = BufferPool(device)  # receive buffers on this rank's device
+
+    @property
+    def wire(self) -> torch.device:
+        return self.device
 
     def post_send(self, tensors: tuple[torch.Tensor, ...], dst: int, rnd: int) -> PendingSend:
         """Post this rank's part of round ``rnd`` (returns at once); the tensors live until ``wait`` returns."""
         t0 = time.perf_counter()
         wire = tuple(t.to(self.wire).contiguous() for t in tensors)
-        ops = [dist.P2POp(dist.isend, t, dst, group=self.group, tag=rnd % (1 << 30)) for t in wire]
+        ops = [dist.P2POp(dist.isend, t, dst, group=self.group, tag=data_tag(rnd)) for t in wire]
         return PendingSend(dist.batch_isend_irecv(ops), wire, t0)
 
     def send(self, tensors: tuple[torch.Tensor, ...], dst: int, rnd: int) -> float:
         """Blocking send of round ``rnd``; returns seconds spent."""
         return self.post_send(tensors, dst, rnd).wait()
 
-    def recv(self, metas: tuple[TensorMeta, ...], src: int, rnd: int) -> tuple[tuple[torch.Tensor, ...], float]:
-        """Blocking receive of round ``rnd`` on this rank's device; returns the tensors and seconds.
+    def recv(self, metas: tuple[TensorMeta, ...], src: int, rnd: int) -> tuple[Lease, float]:
+        """Blocking receive of round ``rnd`` on this rank's device; returns the lease and seconds.
 
-        The tensors are views of one buffer; hand them back with :meth:`release` when done (the next
-        receive reuses the buffer instead of faulting in fresh pages, which costs as much as the copy).
+        The tensors are views of one pooled buffer; give the lease back with :meth:`release` when done
+        (the next receive reuses the buffer instead of faulting in fresh pages, which costs as much as
+        the copy).
         """
         t0 = time.perf_counter()
-        bufs = self._views(metas)
-        ops = [dist.P2POp(dist.irecv, b, src, group=self.group, tag=rnd % (1 << 30)) for b in bufs]
+        buf = self.pool.take(layout(metas)[2])
+        out = views(buf, metas)
+        self._irecv_into(out, src, rnd)
+        return Lease(out, buf), time.perf_counter() - t0
+
+    def release(self, lease: Lease) -> None:
+        """The caller no longer uses the lease's tensors: what backs them may be reused."""
+        if lease.released:
+            raise RuntimeError("a received item was released twice")
+        lease.released, lease.tensors = True, ()
+        if lease.buffer is not None:
+            self.pool.give(lease.buffer)
+            lease.buffer = None
+
+    def _irecv_into(self, bufs: tuple[torch.Tensor, ...], src: int, rnd: int) -> None:
+        ops = [dist.P2POp(dist.irecv, b, src, group=self.group, tag=data_tag(rnd)) for b in bufs]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        out = tuple(b.to(self.device, non_blocking=False) for b in bufs)
-        return out, time.perf_counter() - t0
-
-    def release(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        """The caller no longer uses these received tensors: their buffer may be reused."""
-        flat = self._lent.pop(id(tensors[0]), None) if tensors else None
-        if flat is not None and len(self._free) < POOL_BUFFERS:
-            self._free.append(flat)
-
-    def _views(self, metas: tuple[TensorMeta, ...]) -> tuple[torch.Tensor, ...]:
-        sizes = [torch.Size(m.shape).numel() * DTYPES[m.dtype].itemsize for m in metas]
-        offsets, total = [], 0
-        for size in sizes:
-            offsets.append(total)
-            total += -(-size // ALIGN) * ALIGN
-        flat = next((b for b in self._free if b.numel() >= total), None)
-        if flat is None:
-            flat = torch.empty(max(total, 1), dtype=torch.uint8, device=self.wire)
-        else:
-            self._free.remove(flat)
-        views = tuple(flat[o:o + n].view(DTYPES[m.dtype]).view(m.shape)
-                      for o, n, m in zip(offsets, sizes, metas, strict=True))
-        if views:
-            self._lent[id(views[0])] = flat
-            while len(self._lent) > POOL_BUFFERS:  # never released: forget the oldest (it is simply freed)
-                self._lent.pop(next(iter(self._lent)))
-        return views
 
 
 class GlooTransport(Transport):
@@ -138,10 +240,178 @@ class NcclTransport(Transport):
 
 
 class HostStagedTransport(Transport):
+    """One shared GPU without CUDA IPC: the bytes go device -> host -> gloo -> host -> device.
+
+    Both ends stage through a pooled host buffer (one flat copy each way); the drafter's tensors are
+    views of a pooled device buffer, which its lease returns. The host buffer goes back to its pool as
+    soon as its copy is done.
+    """
+
     kind = DATA_HOST
 
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        super().__init__(device, group)
+        self.staging = BufferPool(torch.device("cpu"))
 
-TRANSPORTS: dict[str, type[Transport]] = {t.kind: t for t in (GlooTransport, NcclTransport, HostStagedTransport)}
+    @property
+    def wire(self) -> torch.device:
+        return torch.device("cpu")
+
+    def post_send(self, tensors: tuple[torch.Tensor, ...], dst: int, rnd: int) -> PendingSend:
+        t0 = time.perf_counter()
+        host = self.staging.take(layout(describe(tensors))[2])
+        wire = pack(tensors, host)
+        ops = [dist.P2POp(dist.isend, t, dst, group=self.group, tag=data_tag(rnd)) for t in wire]
+        return PendingSend(dist.batch_isend_irecv(ops), wire, t0, done=lambda: self.staging.give(host))
+
+    def recv(self, metas: tuple[TensorMeta, ...], src: int, rnd: int) -> tuple[Lease, float]:
+        t0 = time.perf_counter()
+        total = layout(metas)[2]
+        host = self.staging.take(total)
+        self._irecv_into(views(host, metas), src, rnd)
+        buf = self.pool.take(total)
+        buf[:total].copy_(host[:total])  # one copy of the whole item (synchronous from pageable memory)
+        self.staging.give(host)
+        return Lease(views(buf, metas), buf), time.perf_counter() - t0
+
+
+class SharingTransport(Transport):
+    """The producer's buffer is mapped by the drafter: only a handle travels, and an ack comes back.
+
+    Subclasses say how a buffer is allocated shareable, how its handle is written and how a handle
+    is mapped in another process (:meth:`_shareable`, :meth:`_handle`, :meth:`_map`).
+    """
+
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        super().__init__(device, group)
+        self.send_pool = BufferPool(device, make=self._shareable)  # producer side: shared buffers
+        self._mapped: dict[int, OrderedDict[Any, torch.Tensor]] = {}  # drafter side: per producer, LRU
+
+    # -- the producer
+    def post_send(self, tensors: tuple[torch.Tensor, ...], dst: int, rnd: int) -> PendingSend:
+        t0 = time.perf_counter()
+        buf = self.send_pool.take(layout(describe(tensors))[2])
+        pack(tensors, buf)
+        self._settle()  # the bytes are in place before the drafter can read them
+        msg = encode_handle(self._handle(buf))
+        ack = torch.zeros(1, dtype=torch.uint8)
+        works = [dist.isend(msg, dst, group=self.group, tag=data_tag(rnd)),
+                 dist.irecv(ack, dst, group=self.group, tag=ack_tag(rnd))]
+        return PendingSend(works, (msg, ack, buf), t0, done=lambda: self.send_pool.give(buf))
+
+    # -- the drafter
+    def recv(self, metas: tuple[TensorMeta, ...], src: int, rnd: int) -> tuple[Lease, float]:
+        t0 = time.perf_counter()
+        msg = torch.empty(HANDLE_BYTES, dtype=torch.uint8)
+        dist.irecv(msg, src, group=self.group, tag=data_tag(rnd)).wait()
+        key, handle = decode_handle(msg)
+        need = layout(metas)[2]
+        flat = self._open(src, key, handle, need)
+        if flat.numel() < need:
+            raise RuntimeError(f"round {rnd}: rank {src}'s shared buffer holds {flat.numel()} bytes, "
+                               f"fewer than the item's {need}")
+        return Lease(views(flat, metas), ack=(src, rnd)), time.perf_counter() - t0
+
+    def release(self, lease: Lease) -> None:
+        ack = lease.ack
+        super().release(lease)
+        if ack is not None:
+            self._settle()  # every kernel that read the views has finished before the producer may reuse them
+            src, rnd = ack
+            dist.send(torch.ones(1, dtype=torch.uint8), src, group=self.group, tag=ack_tag(rnd))
+
+    def _open(self, src: int, key: Any, handle: Any, need: int) -> torch.Tensor:
+        cache = self._mapped.setdefault(src, OrderedDict())
+        cached = cache.get(key)
+        if cached is not None and cached.numel() < need:  # a new, larger buffer where a freed one was: map it anew
+            del cache[key], cached
+        flat = self._map(handle, cache.get(key))
+        cache[key] = flat
+        cache.move_to_end(key)
+        while len(cache) > MAPPED_PER_PEER:
+            cache.popitem(last=False)  # unmapped here; the producer still owns it
+        return flat
+
+    # -- per kind
+    def _settle(self) -> None:
+        """Wait for this rank's queued device work (a no-op on the CPU)."""
+
+    def _shareable(self, n: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _handle(self, buf: torch.Tensor) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def _map(self, handle: Any, cached: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ShmTransport(SharingTransport):
+    """CPU ranks of one node: the producer's buffer is a shared-memory file (torch's file_system sharing,
+    which works between processes not forked from each other); the drafter maps it by name."""
+
+    kind = DATA_SHM
+
+    def _shareable(self, n: int) -> torch.Tensor:
+        buf = torch.empty(n, dtype=torch.uint8)
+        buf.untyped_storage()._share_filename_cpu_()
+        return buf
+
+    def _handle(self, buf: torch.Tensor) -> tuple[Any, Any]:
+        manager, name, size = buf.untyped_storage()._share_filename_cpu_()  # already shared: its name again
+        return (manager, name), (manager, name, size)
+
+    def _map(self, handle: Any, cached: torch.Tensor | None) -> torch.Tensor:
+        if cached is not None:
+            return cached
+        storage = torch.UntypedStorage._new_shared_filename_cpu(*handle)
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class CudaIpcTransport(SharingTransport):
+    """Ranks sharing one GPU: the producer's device buffer is opened by the drafter through CUDA IPC
+    (torch's own CUDA tensor sharing); no byte leaves the device."""
+
+    kind = DATA_IPC
+
+    def _settle(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def _shareable(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8, device=self.device)
+
+    def _handle(self, buf: torch.Tensor) -> tuple[Any, Any]:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _, args = reduce_tensor(buf)
+        return (args[7], args[9]), args  # (CUDA allocation handle, offset in it), the rebuild arguments
+
+    def _map(self, handle: Any, cached: torch.Tensor | None) -> torch.Tensor:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        # torch finds a mapping still alive (``cached`` keeps it so) and only releases the new ref counter
+        return rebuild_cuda_tensor(*handle)
+
+
+def encode_handle(obj: Any) -> torch.Tensor:
+    """A pickled handle as a fixed-size uint8 tensor (4-byte length, then the bytes)."""
+    data = pickle.dumps(obj)
+    if len(data) + 4 > HANDLE_BYTES:
+        raise RuntimeError(f"a shared-buffer handle of {len(data)} bytes exceeds {HANDLE_BYTES - 4}")
+    out = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
+    out[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+    out[4:4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
+def decode_handle(msg: torch.Tensor) -> Any:
+    raw = msg.numpy().tobytes()
+    n = int.from_bytes(raw[:4], "little")
+    return pickle.loads(raw[4:4 + n])  # a peer rank of this job, over the job's own process group
+
+
+TRANSPORTS: dict[str, type[Transport]] = {t.kind: t for t in (GlooTransport, NcclTransport, HostStagedTransport,
+                                                              ShmTransport, CudaIpcTransport)}
 
 
 def make_transport(kind: str, device: torch.device, group: Any = None) -> Transport:

@@ -249,7 +249,8 @@ class DrafterWorker:
         for x in transfers:  # this rank's part of each round, in increasing round order
             metas: tuple[TensorMeta, ...] = x["meta"]["tensors"]
             self.status(f"step {step}: receiving item {x['item_id']} from rank {x['src']} in round {x['round']}")
-            tensors, dt = self.transport.recv(metas, x["src"], x["round"])
+            lease, dt = self.transport.recv(metas, x["src"], x["round"])
+            tensors = lease.tensors
             self._check(x, tensors)
             take["transfer_s"] += dt
             take["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
@@ -271,8 +272,8 @@ class DrafterWorker:
             res.anchors += int(out.anchors)
             res.n_items += 1
             res.real_tokens += int(attention_mask.sum())
-            del out, hidden, input_ids, attention_mask, loss_mask
-            self.transport.release(tensors)  # the backward is done: the buffer may take the next item
+            del out, hidden, input_ids, attention_mask, loss_mask, tensors
+            self.transport.release(lease)  # the backward is done: the buffer may take the next item
         res.stages["transfer_s"] = take["transfer_s"]
         res.stages["drafter_compute_s"] = take["compute_s"]
         return take
