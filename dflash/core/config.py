@@ -248,11 +248,15 @@ class DrafterConfig:
     anchors: int = 512
     gamma: float | None = None  # None = default_gamma(block_size)
     devices: tuple[str, ...] = ("cpu",)
+    # LM-head rows per chunk of the loss: the loss holds [chunk, vocab] logits at a time instead of
+    # [rows, vocab] (dflash.model.chunked_ce); it bounds memory and leaves the result unchanged.
+    loss_chunk_rows: int = 512
 
     def __post_init__(self) -> None:
         check_int("drafter.layers", self.layers, 1)
         check_int("drafter.block_size", self.block_size, 2)
         check_int("drafter.anchors", self.anchors, 1)
+        check_int("drafter.loss_chunk_rows", self.loss_chunk_rows, 1)
         if self.gamma is not None:
             check_float("drafter.gamma", self.gamma, 0.0, lo_open=True)
         _check_devices("drafter.devices", self.devices)

@@ -55,6 +55,7 @@ from torch import nn
 
 from dflash.core.config import DrafterConfig, default_gamma
 from dflash.core.errors import ConfigError
+from dflash.model.chunked_ce import DEFAULT_CHUNK_ROWS, chunked_linear_cross_entropy
 
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter_config.json"
@@ -106,11 +107,12 @@ class DrafterSpec:
     gamma: float = 7.0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    loss_chunk_rows: int = DEFAULT_CHUNK_ROWS  # LM-head rows per chunk of the loss (memory, not the result)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                     "vocab_size", "layers", "anchors"):
+                     "vocab_size", "layers", "anchors", "loss_chunk_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"DrafterSpec.{name} must be an integer >= 1, got {v!r}")
@@ -158,6 +160,7 @@ class DrafterSpec:
             vocab_size=int(config.vocab_size), target_layer_ids=tuple(target_layer_ids),
             mask_token_id=int(mask_token_id), layers=d.layers, block_size=d.block_size, anchors=d.anchors,
             gamma=float(d.gamma if d.gamma is not None else default_gamma(d.block_size)),
+            loss_chunk_rows=d.loss_chunk_rows,
             rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)), rope_theta=float(theta))
         kw.update(overrides)
         return cls(**kw)
@@ -513,7 +516,9 @@ class DFlashDrafter(nn.Module):
 
         A slot ``k`` of a block at ``a`` counts iff its anchor is valid, ``a + k < S`` and
         ``loss_mask[a + k]``; its weight is ``w_k``. Only counted rows go through the LM head (the
-        dominant cost: ``rows x vocab x d``).
+        dominant cost: ``rows x vocab x d``), ``spec.loss_chunk_rows`` at a time with the gradient
+        formed in the same pass (:mod:`dflash.model.chunked_ce`): the ``[rows, vocab]`` logits are
+        never held at once, so the loss's memory is one chunk's, not the item's.
         """
         spec = self.spec
         bs = spec.block_size
@@ -543,13 +548,10 @@ class DFlashDrafter(nn.Module):
         if rows.shape[0] == 0:
             zero = hidden.sum() * 0.0
             return DraftLoss(zero.float(), 0, 0.0, n_anchor, 0)
-        logits = self.logits(rows)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # CE in >= float32
-        w = spec.slot_weights(dev, logits.dtype).expand_as(counted)[counted]
-        target = tgt[counted]
-        ce = F.cross_entropy(logits, target, reduction="none")
-        correct = int((logits.detach().argmax(-1) == target).sum())
-        return DraftLoss(loss_sum=(ce * w).sum(), tokens=int(rows.shape[0]), weight_sum=float(w.sum()),
+        head_dtype = torch.promote_types(self.lm_head.weight.dtype, torch.float32)
+        w = spec.slot_weights(dev, head_dtype).expand_as(counted)[counted]
+        loss_sum, correct = chunked_linear_cross_entropy(rows, self.lm_head, tgt[counted], w, spec.loss_chunk_rows)
+        return DraftLoss(loss_sum=loss_sum, tokens=int(rows.shape[0]), weight_sum=float(w.sum()),
                          anchors=n_anchor, correct=correct)
 
     # ---- inference ----------------------------------------------------------------------
