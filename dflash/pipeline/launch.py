@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 from dflash.core.config import DflashConfig
-from dflash.pipeline.rank import LAUNCHED_BY_DFLASH, RANKS_DIR, RunSpec, rank_main
+from dflash.pipeline.rank import LAUNCHED_BY_DFLASH, RANKS_DIR, RunSpec, archive_tracebacks, rank_main
 from dflash.pipeline.roles import check_world, data_plane
 
 _QUIET_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing",
@@ -59,10 +58,13 @@ def launch(spec: RunSpec, nproc_per_node: int | None = None) -> int:
     n = check_launch(spec.cfg, nproc_per_node)
     ranks_dir = Path(spec.out) / RANKS_DIR
     if under_launcher():  # this process is one rank: clear only its own files of an earlier start
+        archive_tracebacks(ranks_dir, int(os.environ["RANK"]))
         for f in ranks_dir.glob(f"rank-{os.environ['RANK']}.*"):
             f.unlink(missing_ok=True)
         return rank_main(spec)
-    shutil.rmtree(ranks_dir, ignore_errors=True)
+    archive_tracebacks(ranks_dir)  # kept across starts (a resume): the rest of an earlier start is cleared
+    for f in ranks_dir.glob("rank-*"):
+        f.unlink(missing_ok=True)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

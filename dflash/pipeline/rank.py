@@ -8,7 +8,10 @@ verified checkpoint, the ledger and records cut back to it), starts the coordina
 broadcasts its address and the start step; every rank then connects to the control channel.
 
 A failing rank writes one line into ``RUN/.ranks/rank-N.error`` (the launcher prints the earliest)
-and exits non-zero; a rank that waits names what it waits for in ``RUN/.ranks/rank-N.status``.
+and exits non-zero; a rank that waits names what it waits for in ``RUN/.ranks/rank-N.status``. An
+unexpected exception (anything but a ConfigError, which stays one line) also leaves its full
+traceback in ``RUN/.ranks/rank-N.traceback``, and the one line names that file; a later start of
+the run moves it to ``RUN/.ranks/earlier/`` (:func:`archive_tracebacks`) instead of deleting it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,12 +106,31 @@ def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: Ba
     role = "target" if rank < spec.cfg.cluster.n_target else "drafter"
     what = exc.line() if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
     line = " ".join(f"rank {rank} ({role}, pid {os.getpid()}): {what}".split())
+    if not isinstance(exc, ConfigError):  # the one line says what; the file says where
+        tb = out / RANKS_DIR / f"rank-{rank}.traceback"
+        tb.write_text(f"{line}\n\n" + "".join(traceback.format_exception(exc)))
+        line += f" (traceback: {tb})"
     (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": time.time(), "line": line,
                                                                       "config": isinstance(exc, ConfigError)}))
     status(f"failed: {what}")
     status.flush()
     if not os.environ.get(LAUNCHED_BY_DFLASH):  # under torchrun nobody else prints it
         print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
+
+
+def archive_tracebacks(ranks_dir: Path, rank: int | None = None) -> None:
+    """Keep the tracebacks of an earlier start (all ranks', or one rank's) in ``earlier/``, named by rank and
+    time, before a new start clears the rank files: a resume must not wipe the evidence of the failure
+    that made it necessary. Nothing in ``earlier/`` is ever deleted (a few KB per failed start)."""
+    pattern = "rank-*.traceback" if rank is None else f"rank-{rank}.traceback"
+    for f in sorted(ranks_dir.glob(pattern)):
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(f.stat().st_mtime))
+        dest = ranks_dir / "earlier" / f"{f.stem}.{stamp}.traceback"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        n = 1
+        while dest.exists():
+            dest, n = dest.with_name(f"{f.stem}.{stamp}-{n}.traceback"), n + 1
+        os.replace(f, dest)
 
 
 def _die_with_parent() -> None:
