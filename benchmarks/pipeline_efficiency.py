@@ -1,32 +1,25 @@
-"""Pipeline efficiency: the full target->queue->drafter pipeline against each stage alone, one run.
+"""Pipeline efficiency: the rank job against each side's capacity alone, one run.
 
-Run: python benchmarks/pipeline_efficiency.py [--items N] [--config FILE]
-With the CPU profile (SmolLM2 + ShareGPT first exchanges), measures in one process:
-  (1) the target alone producing N items (same thread allotment as inside the pipeline),
-  (2) the drafter alone training N steps on pre-made items,
-  (3) the full pipeline training N steps (min-ready 1, so no fill time is charged to it),
-and prints pipeline items/s as a fraction of the slower stage alone. Goal (issue #4): >= 0.9 on
-the CPU, >= 0.95 on a GPU.
-
-With ``--ranks T+D`` (e.g. ``1+2``) it measures the distributed trainer instead (issue #14): one
-target rank's item time and one drafter rank's step time alone in this process (each with one
-rank's thread allotment: cores // (T + D)), the sides' capacities T / target s/item and
-D / drafter s/item, then the real job on T + D processes; pipeline items/s comes from its take
-records over the span after the queue first reached min-ready.
+Run: python benchmarks/pipeline_efficiency.py [--items N] [--config FILE] [--ranks T+D]
+With the CPU profile (SmolLM2 + ShareGPT first exchanges) and ``--ranks T+D`` (default ``1+1``:
+two processes, as ``dflash train`` runs it; issues #4, #14, #26): one target rank's item time and
+one drafter rank's step time alone in this process (each with one rank's thread allotment:
+cores // (T + D)), the sides' capacities T / target s/item and D / drafter s/item, then the real job
+on T + D processes (min-ready 1, so no fill time is charged to it); pipeline items/s comes from its
+take records over the span after the queue first reached min-ready. Goal (issue #4): >= 0.9 of the
+slower side on the CPU, >= 0.95 on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from dflash.core.config import QueueConfig, load_config, with_overrides
-from dflash.pipeline.trainer import Trainer
+from dflash.core.config import load_config, with_overrides
 
 PROFILE = Path(__file__).resolve().parent.parent / "dflash" / "profiles" / "cpu-smollm2.toml"
 
@@ -35,49 +28,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=40)
     ap.add_argument("--config", default=str(PROFILE))
-    ap.add_argument("--ranks", default=None, help="T+D: measure the distributed trainer with T target and D drafter "
-                                                  "ranks (e.g. 1+2)")
-    args = ap.parse_args()
-    if args.ranks:
-        distributed(args)
-        return
-    n = args.items
-    cfg = with_overrides(load_config(args.config), {"train.max_steps": n, "queue.min_ready": 1,
-                                                    "queue.max_depth": max(90, n + 1), "train.log_every": 10**6})
-    tmp = Path(tempfile.mkdtemp())
-
-    tr = Trainer(cfg, tmp / "alone", progress=None)
-    threads = torch.get_num_threads()
-    specs = list(tr.sampler.epoch(0)[:n])
-    dev = torch.device(cfg.target.devices[0])
-    t0 = time.perf_counter()
-    items = [tr.make_item(s, dev) for s in specs]
-    target_s = time.perf_counter() - t0
-
-    for k, it in enumerate(items):
-        tr.queue.put(it, worker=0)
-        del k
-    t0 = time.perf_counter()
-    for step in range(n):
-        tr.train_step(step)
-    drafter_s = time.perf_counter() - t0
-    tr.queue.stop()
-
-    cfg_full = dataclasses.replace(cfg, queue=QueueConfig(**{**cfg.queue.__dict__, "min_ready": 1}))
-    full = Trainer(cfg_full, tmp / "full", progress=None, target=tr.target)
-    t0 = time.perf_counter()
-    res = full.run()
-    pipeline_s = time.perf_counter() - t0
-    trained = res.summary["trained"]
-
-    rate = {"target alone": n / target_s, "drafter alone": n / drafter_s, "pipeline": trained / pipeline_s}
-    slower = min(rate["target alone"], rate["drafter alone"])
-    print(f"{n} items, torch threads per role {threads}, profile {Path(args.config).name}")
-    for name, r in rate.items():
-        print(f"  {name:<14} {r:6.3f} items/s  ({1 / r:5.2f} s/item)")
-    print(f"pipeline / slower stage alone: {rate['pipeline'] / slower:.3f}")
-    print(f"(pipeline wall {pipeline_s:.1f} s includes its start-up; steady-state items/s from the records: "
-          f"{res.metrics.get('items_per_s', float('nan')):.3f})")
+    ap.add_argument("--ranks", default="1+1", help="T+D: T target and D drafter ranks (default 1+1)")
+    distributed(ap.parse_args())
 
 
 def distributed(args: argparse.Namespace) -> None:
@@ -86,9 +38,8 @@ def distributed(args: argparse.Namespace) -> None:
     from dflash.core.records import read_records
     from dflash.model.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
     from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
-    from dflash.pipeline.launch import launch
-    from dflash.pipeline.rank import RunSpec
-    from dflash.pipeline.trainer import TrainingData
+    from dflash.pipeline.trainer import train
+    from dflash.pipeline.training_data import TrainingData
     from dflash.pipeline.workers import capture_item, item_generator
 
     n_t, n_d = (int(x) for x in args.ranks.split("+"))
@@ -104,6 +55,7 @@ def distributed(args: argparse.Namespace) -> None:
     capture = HiddenStateCapture(target.model, layers)
     data = TrainingData(cfg, target.tokenizer)
     specs = list(data.sampler.epoch(0)[:n])
+
     def target_alone() -> tuple[float, list]:
         t0 = time.perf_counter()
         made = [capture_item(data, target, capture, s, torch.device("cpu"), torch.float32) for s in specs]
@@ -124,9 +76,8 @@ def distributed(args: argparse.Namespace) -> None:
     del items
     out = Path(tempfile.mkdtemp()) / "run"
     t0 = time.perf_counter()
-    rc = launch(RunSpec(cfg, str(out), quiet=True))
+    train(cfg, out)
     wall = time.perf_counter() - t0
-    assert rc == 0, f"the job failed ({rc})"
     target_after, _ = target_alone()  # again after the job: load drift on a shared machine shows
     target_s = (target_s + target_after) / 2
     takes = sorted(read_records(out, "take"), key=lambda r: r["t"])

@@ -23,8 +23,10 @@ from dflash.core.records import read_records
 from reports.fmt import fmt_metric, fmt_pm, fmt_rel, parse_md_table
 from simulator.run import simulate
 from simulator.workload import make_sampler
+from tests.test_resume_and_control import run_inputs, write_cfg  # noqa: F401 - the fixture
+from tuning.evidence import recommend
 from tuning.sweep import SweepArgs, run_sweep
-from tuning.validate import COMPARED, GOALS, rel_errors, within_goals
+from tuning.validate import COMPARED, GOALS, format_validation, rel_errors, within_goals
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 SWEEP_TOML = """
@@ -105,9 +107,17 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                               ("handpicked", "mix_efficiency", 0.01, [-0.02, 0.04]),
                                               ("baseline", "throughput_tokens_per_s", 5.0, [-30.0, 40.0]),
                                               ("baseline", "mix_efficiency", -0.01, [-0.05, 0.03]))]
+    # The recommendation through the real decision code (tuning.evidence), from per-block values whose
+    # differences are open: its words carry the "more takes" figure the CLI and the report both print.
+    blocks = {"baseline": {"throughput_tokens_per_s": [1000.0, 1040.0, 990.0, 1030.0],
+                           "mix_efficiency": [0.95, 0.97, 0.96, 0.94]},
+              "handpicked": {"throughput_tokens_per_s": [900.0, 960.0, 940.0, 920.0],
+                             "mix_efficiency": [0.97, 0.98, 0.96, 0.99]},
+              "tuned-1": {"throughput_tokens_per_s": [1010.0, 1050.0, 1000.0, 1020.0],
+                          "mix_efficiency": [0.96, 0.95, 0.97, 0.96]}}
+    rec = recommend(blocks, {"baseline": 3e8, "handpicked": 9e8, "tuned-1": 2e8}, max_looks=5, block_takes=20)
     validation = {"comparisons": comparisons, "rounds": 4, "max_looks": 5, "block_takes": 20, "stopped": "budget",
-                  "recommendation": {"name": "tuned-1", "candidates": ["tuned-1", "baseline"], "takes_to_resolve": 240,
-                                     "words": "tuned-1: not resolved worse than the best on either objective."},
+                  "recommendation": rec.as_json(),
                   "takes": 100, "calibration": str(cal_path), "selection": str(sweep_dir / "selection.json"),
                   "base_config": cfg.to_dict(), "chosen": "tuned-1", "best_toml": "best.toml",
                   "command": f"dflash train --config {val_dir / 'best.toml'}",
@@ -242,6 +252,18 @@ def test_report_renders_in_headless_chromium_with_no_errors(demo: dict, tmp_path
         errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
         assert errors == []
         assert "Run tuned-1" in driver.find_element("css selector", "#recommendation").text
+        # What users copy (the launch, export and serving commands) is never cut off at the page edge:
+        # code blocks wrap, so nothing overflows its box, and the page itself does not scroll sideways.
+        for width in (1280, 700):
+            driver.set_window_size(width, 900)
+            boxes = driver.execute_script(
+                "return Array.from(document.querySelectorAll('pre')).map(p => [p.scrollWidth, p.clientWidth, "
+                "p.getBoundingClientRect().right, p.textContent.length])")
+            assert boxes and any(n > 120 for *_, n in boxes), boxes  # the long serving commands are there
+            assert all(sw <= cw + 1 for sw, cw, *_ in boxes), (width, boxes)
+            assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
+            view = driver.execute_script("return window.innerWidth")
+            assert all(right <= view + 1 for _, _, right, _ in boxes), (width, boxes)
     finally:
         driver.quit()
 
@@ -287,36 +309,16 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(kind: str, tmp_path: Pa
     assert not out.exists()
 
 
-def test_a_real_trainer_run_gives_loss_curves_and_its_measured_numbers(tmp_path: Path) -> None:
-    """A short real run (tiny random Llama, SmolLM2 tokenizer, packaged ShareGPT) at the baseline queue, and
-    `dflash calibrate`'s file fitted to it."""
-    from dflash.core.config import (
-        ClusterConfig,
-        DflashConfig,
-        DrafterConfig,
-        QueueConfig,
-        TargetConfig,
-        TrainConfig,
-        WorkloadConfig,
-    )
-    from dflash.data.conversations import load_conversations, resolve_dataset
-    from dflash.data.lengths import load_tokenizer
-    from dflash.model.target import LoadedTarget
-    from dflash.pipeline.trainer import Trainer
-    from tests.tiny_models import tiny_llama
+def test_a_real_trainer_run_gives_loss_curves_and_its_measured_numbers(tmp_path: Path,
+                                                                       run_inputs) -> None:  # noqa: F811
+    """A short real run (the rank job: tiny random Llama, SmolLM2 tokenizer, a ShareGPT slice) at the
+    baseline queue, and `dflash calibrate`'s file fitted to it."""
+    from dflash.pipeline.trainer import train
 
-    tok = load_tokenizer("smollm2")
-    target = LoadedTarget(model=tiny_llama(vocab_size=len(tok), layers=6, init_std=0.2), tokenizer=tok,
-                          source="tiny-llama", cache_hit=True, load_s=0.0)
-    convs, _ = load_conversations(resolve_dataset("sharegpt"), "first_exchange", 300)
-    cfg = DflashConfig(
-        workload=WorkloadConfig(sample="first_exchange", max_len=128, bucket_bounds=(32, 64, 128), seqs_per_item=1,
-                                order="length_grouped", mega_batch=8),
-        cluster=ClusterConfig(n_target=1, n_drafter=1), queue=QueueConfig(min_ready=10, max_depth=30),
-        target=TargetConfig(capture_layers=3), drafter=DrafterConfig(layers=1, block_size=8, anchors=8),
-        train=TrainConfig(lr=3e-3, log_every=1000, max_steps=40))
+    cfg = with_overrides(load_config(write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=40, log_every=1000)),
+                         {"queue.min_ready": 10, "queue.max_depth": 30})
     run = tmp_path / "run"
-    res = Trainer(cfg, run, target=target, conversations=convs, progress=None).run()
+    res = train(cfg, run, wait_s=60.0, pg_timeout_s=60.0)
     cal_path = tmp_path / "calibration.json"
     assert main(["calibrate", "--run", str(run), "--out", str(cal_path)]) == 0
     cal = json.loads(cal_path.read_text())
@@ -341,14 +343,36 @@ def test_a_real_trainer_run_gives_loss_curves_and_its_measured_numbers(tmp_path:
     assert meta["devices"] == "target cpu; drafter cpu"
 
 
+def test_the_cli_summary_and_the_report_print_the_same_recommendation_and_figures(demo: dict) -> None:
+    """One home per figure (issue #29): the "more takes" estimate and the recommendation's words are
+    computed once (tuning.evidence.recommend) and the CLI summary and report.md both print them; the
+    comparisons' differences and intervals come from validation.json in both."""
+    val = demo["validation"]
+    cli = format_validation(val)
+    rec = section(demo["md"], "Recommendation")
+    words = val["recommendation"]["words"]
+    more = val["recommendation"]["takes_to_resolve"]
+    assert isinstance(more, int) and more > 0
+    cli_line = next(line for line in cli.splitlines() if line.startswith("recommended: "))
+    assert cli_line == f"recommended: {words}"
+    assert f"The evidence: {words}" in rec
+    figures = [re.findall(r"about ([\d,]+) more takes", text) for text in (cli, rec)]
+    assert figures == [[f"{more:,}"], [f"{more:,}"]]
+    for c in val["comparisons"]:
+        lo, hi = c["ci95"]
+        assert f"{c['difference']:+.4g} (95% interval {lo:+.4g} .. {hi:+.4g})" in cli
+        assert f"{c['difference']:+.4g}, 95% interval {lo:+.4g} .. {hi:+.4g}" in rec
+
+
 def test_the_report_says_what_the_evidence_resolved_and_separates_drift(demo: dict) -> None:
     """Each comparison with its interval and verdict, the takes that would settle the rest, and per
     config the a-priori error, the cost drift and the drift-corrected error, in words and numbers."""
     rec = section(demo["md"], "Recommendation")
-    assert "The evidence: tuned-1: not resolved worse" in rec
+    more = demo["validation"]["recommendation"]["takes_to_resolve"]
+    assert "The evidence: tuned-1: the lowest peak queue memory" in rec
     assert "tuned-1 - handpicked on throughput_tokens_per_s: +41, 95% interval +12 .. +70: resolved" in rec
     assert "tuned-1 - baseline on mix_efficiency: -0.01, 95% interval -0.05 .. +0.03: not resolved" in rec
-    assert "after 4 of at most 5 rounds of 20 takes" in rec and "about 240 more takes" in rec
+    assert "after 4 of at most 5 rounds of 20 takes" in rec and f"about {more:,} more takes" in rec
     sim = section(demo["md"], "Simulated vs measured")
     worst = max(demo["validation"]["configs"], key=lambda c: abs(c["drift"]))
     assert f"the largest drift is {worst['name']}'s" in sim

@@ -19,7 +19,6 @@ from dflash.core.records import read_records
 from dflash.core.sampler import Sampler
 from dflash.data.lengths import load_tokenizer
 from dflash.pipeline.checkpoint import ItemFeed, write_control
-from dflash.pipeline.trainer import Trainer
 from tests.tiny_models import tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +42,7 @@ def run_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def write_cfg(path: Path, inputs: dict[str, Path], **train: object) -> Path:
-    extra = "\n".join(f"{k} = {json.dumps(v)}" for k, v in train.items())
+    extra = "\n".join(f"{k} = {json.dumps(v)}" for k, v in {"lr": 3e-3, "log_every": 1, **train}.items())
     path.write_text(f"""
 seed = 3
 [workload]
@@ -68,8 +67,6 @@ layers = 1
 block_size = 8
 anchors = 16
 [train]
-lr = 3e-3
-log_every = 1
 {extra}
 """)
     return path
@@ -137,71 +134,102 @@ def _state(pid: int) -> str:
 
 
 def _epoch_items(cfg_path: Path) -> list[str]:
-    from dflash.pipeline.trainer import TrainingData
+    from dflash.pipeline.training_data import TrainingData
 
     cfg = load_config(cfg_path)
     return [s.item_id for s in TrainingData(cfg, load_tokenizer(str(cfg.target.model))).sampler.epoch(0)]
 
 
-def test_a_live_change_is_applied_between_takes_and_a_bad_one_is_rejected(tmp_path: Path, run_inputs) -> None:
-    cfg = load_config(write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=24))
-    out = tmp_path / "run"
-    said: list[str] = []
+def _lines(path: Path) -> int:
+    return path.read_text().count("\n") if path.exists() else 0
 
-    def progress(msg: str) -> None:
-        said.append(msg)
-        if msg.startswith("step     6 "):  # an operator runs `dflash tune-live` while the run goes on
-            assert main(["tune-live", str(out), "--hs-min-ready", "5"]) == 0
-        if msg.startswith("step    12 "):  # a bad change by hand (the CLI would refuse it)
-            write_control(out, {"min_ready": 50}, serial=2)
 
-    Trainer(cfg, out, progress=progress).run()
-    controls = list(read_records(out, "control"))
+def _wait(what: str, cond, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"the run ended before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+HOSTILE = ['{"serial": 3, "queue": "garbage"}', '[1, 2, 3]', '{"serial": 4, "queue": {"min_ready": [1]}}',
+           '{"serial": 5, "queue": {"no_such_knob": 1}}', "\x00\xff not json", '{"serial": 6, "queue": {}}']
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> Path:
+    """`dflash train` (1 + 1 ranks) while an operator re-tunes it: a good change at step 6, a bad one
+    (the CLI would refuse it) six steps later, then every kind of hostile control file, each written
+    once the one before is recorded; SIGTERM ends the run with a checkpoint."""
+    d = tmp_path_factory.mktemp("live")
+    cfg = write_cfg(d / "cfg.toml", run_inputs, checkpoint_every=1000)
+    out = d / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--out", str(out),
+                             "--wandb", "disabled"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    steps, controls = out / "step.jsonl", out / "control.jsonl"
+
+    def recorded(what: str, write) -> None:
+        seen = _lines(controls)
+        write()
+        _wait(f"{what} recorded", lambda: _lines(controls) > seen, proc)
+
+    try:
+        _wait("step 6", lambda: _lines(steps) >= 6, proc, timeout=240)
+        recorded("the change", lambda: main(["tune-live", str(out), "--hs-min-ready", "5"]))
+        at = _lines(steps)
+        _wait("six more steps", lambda: _lines(steps) >= at + 6, proc)
+        recorded("the bad change", lambda: write_control(out, {"min_ready": 50}, serial=2))
+        for k, text in enumerate(HOSTILE):
+            recorded(f"hostile control file {k}", lambda text=text: (out / "control.json").write_text(text))
+        at = _lines(steps)
+        _wait("three more steps", lambda: _lines(steps) >= at + 3, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return out
+
+
+def test_a_live_change_is_applied_between_takes_and_a_bad_one_is_rejected(live_run: Path) -> None:
+    controls = list(read_records(live_run, "control"))
     applied = [c for c in controls if c.get("serial") == 1]
     rejected = [c for c in controls if c.get("serial") == 2]
     assert applied and applied[0]["accepted"] and applied[0]["change"] == {"min_ready": 5}
     assert rejected and not rejected[0]["accepted"] and "queue.min_ready" in rejected[0]["reason"]
-    t_apply = applied[0]["step"]
-    for take in read_records(out, "take"):
-        if take["step"] >= t_apply and take["gate"] == "ready":
-            assert take["depth_before"] >= 5  # the new gate, and it stayed after the rejected change
-        if take["step"] < t_apply and take["gate"] == "ready":
-            assert take["depth_before"] >= 3
-    assert any(t["step"] >= t_apply for t in read_records(out, "take"))
+    t_apply = applied[0]["t"]
+    after = [t for t in read_records(live_run, "take") if t["t"] > t_apply]
+    assert after and all(t["depth_before"] >= 5 for t in after)  # the new gate, kept after the bad change
+    assert all(t["depth_before"] >= 3 for t in read_records(live_run, "take"))
+    assert next(read_records(live_run, "summary"))["stopped_by"] == "signal SIGTERM"  # the run went on
 
 
 def test_tune_live_judges_flags_against_the_runs_own_config_and_survives_any_control_file(
-        tmp_path: Path, run_inputs, capsys: pytest.CaptureFixture) -> None:
-    cfg = load_config(write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=16))
-    out = tmp_path / "run"
-    hostile = ['{"serial": 1, "queue": "garbage"}', '[1, 2, 3]', '{"serial": 2, "queue": {"min_ready": [1]}}',
-               '{"serial": 3, "queue": {"no_such_knob": 1}}', "\x00\xff not json", '{"serial": 4, "queue": {}}']
-
-    def progress(msg: str) -> None:
-        for k in range(len(hostile)):
-            if msg.startswith(f"step {k + 2:>5} "):
-                (out / "control.json").write_text(hostile[k])
-
-    res = Trainer(cfg, out, progress=progress).run()
-    assert res.summary["steps"] == 16  # the run went on
-    rejected = [c for c in read_records(out, "control") if c.get("serial") and not c["accepted"]]
-    assert sorted(c["serial"] for c in rejected) == [1, 2, 3, 4]
-    malformed = [c for c in read_records(out, "control") if c.get("serial") is None and not c["accepted"]]
+        live_run: Path, capsys: pytest.CaptureFixture) -> None:
+    controls = list(read_records(live_run, "control"))
+    rejected = [c for c in controls if c.get("serial") and not c["accepted"]]
+    assert sorted(c["serial"] for c in rejected) == [2, 3, 4, 5, 6]
+    malformed = [c for c in controls if c.get("serial") is None and not c["accepted"]]
     assert len(malformed) == 2 and all("not a JSON object" in c["reason"] for c in malformed)
-    assert next(read_records(out, "summary"))["steps"] == 16
-    # run config: min_ready 3, max_depth 6; the built-in defaults (min_ready 30) would refuse max depth 5
-    (out / "control.json").unlink()
+    # run config: min_ready 3, max_depth 6 (live: min_ready 5); the built-in defaults (min_ready 30) would
+    # refuse max depth 5
+    (live_run / "control.json").unlink()
     capsys.readouterr()
-    assert main(["tune-live", str(out), "--hs-max-depth", "5"]) == 0
-    assert main(["tune-live", str(out), "--hs-min-ready", "5"]) == 0  # judged with the earlier change (5)
-    assert main(["tune-live", str(out), "--hs-min-ready", "6"]) == 2  # above the live max depth 5
+    assert main(["tune-live", str(live_run), "--hs-max-depth", "5"]) == 0
+    assert main(["tune-live", str(live_run), "--hs-min-ready", "5"]) == 0  # judged with the earlier change (5)
+    assert main(["tune-live", str(live_run), "--hs-min-ready", "6"]) == 2  # above the live max depth 5
     assert "queue.min_ready (--hs-min-ready)" in capsys.readouterr().err
 
 
 def test_tune_live_validates_like_any_config(tmp_path: Path, run_inputs, capsys: pytest.CaptureFixture) -> None:
-    cfg = load_config(write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=1))
+    from dflash.core.run_config import write_run_config
+
     out = tmp_path / "run"
-    Trainer(cfg, out, progress=None).run()
+    out.mkdir()
+    write_run_config(out, load_config(write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=1)))  # what a run has
     capsys.readouterr()
     assert main(["tune-live", str(out), "--hs-min-ready", "7"]) == 2  # max_depth is 6
     err = capsys.readouterr().err

@@ -1,33 +1,30 @@
-"""One queue, two clocks: the threaded queue and the SimPy engine make identical decisions.
+"""One queue, two clocks: the trainer's coordinator and the SimPy engine make identical decisions.
 
 Both are fed one arrival trace with deterministic timing: per producer, a list of (compute
-seconds, item); per drafter, a list of compute seconds per take. The threaded side runs the real
-:class:`dflash.pipeline.hsqueue.HSQueue` under a fake clock, with a real thread for each producer blocked
-at the cap, driven in DESIGN.md's same-instant order (puts before takes; producers and drafters
-by index). The SimPy side runs :class:`simulator.engine.SimHSQueue` with ordinary SimPy processes.
-The take logs (drafter, bucket, item ids, in order) must be identical for every policy and both
-gates, with caps that bind and ties that happen.
+seconds, item); per drafter, a list of compute seconds per take. The trainer's side is the rank
+job's :class:`dflash.pipeline.coordinator.Coordinator` (the only queue that trains: the pure
+decisions the coordinator thread runs), driven in DESIGN.md's same-instant order (puts before
+takes; producers and drafters by index) as its service thread applies it. The SimPy side runs
+:class:`simulator.engine.SimHSQueue` with ordinary SimPy processes. The take logs (drafter, bucket,
+item ids, in order) must be identical for every policy and both gates, with caps that bind and
+ties that happen, for three targets + two drafters and two + two.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
-import threading
-import time
 
 import pytest
 import simpy
 
 from dflash.core.config import QueueConfig
 from dflash.core.queue_core import QueueCore, QueueItem
-from dflash.pipeline.hsqueue import HSQueue, QueueTimeout
 from simulator.engine import SimHSQueue
 from tests.conftest import ALL_POLICIES
 
 N_BUCKETS = 4
 MIX = [0.1, 0.2, 0.3, 0.4]
-WAIT_S = 5.0
 
 Trace = tuple[list[list[tuple[float, QueueItem]]], list[list[float]]]
 
@@ -87,103 +84,6 @@ def run_simpy(cfg: QueueConfig, trace: Trace, seed: int,
     return log
 
 
-# --------------------------------------------------------------------------- threaded side
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def run_threaded(cfg: QueueConfig, trace: Trace, seed: int) -> list[tuple[int, int, tuple[str, ...]]]:
-    """Discrete-event driver of the real threaded queue; blocked puts block real threads."""
-    producers, drafters = trace
-    clock = FakeClock()
-    q = HSQueue(cfg, N_BUCKETS, mix=MIX, seed=seed, clock=clock)
-    core = q._core  # inspected (never mutated) to know which blocked thread must move next
-    events: list[tuple[float, int, int]] = []  # (time, 0 = producer done computing | 1 = drafter free, index)
-    next_item = [0] * len(producers)
-    blocked: dict[int, threading.Thread] = {}
-    waiting_drafters: set[int] = set()
-    takes_done = [0] * len(drafters)
-    finished_producers: set[int] = set()
-    drained: set[int] = set()
-
-    def schedule_producer(w: int, t: float) -> None:
-        if next_item[w] < len(producers[w]):
-            heapq.heappush(events, (t + producers[w][next_item[w]][0], 0, w))
-        else:
-            finished_producers.add(w)
-            if len(finished_producers) == len(producers):
-                q.close()
-
-    def put(w: int, t: float) -> None:
-        item = producers[w][next_item[w]][1]
-        th = threading.Thread(target=q.put, args=(item,), kwargs={"worker": w, "timeout": WAIT_S})
-        th.start()
-        deadline = time.monotonic() + WAIT_S
-        while th.is_alive() and w not in core.blocked:  # wait until it either put or blocked
-            assert time.monotonic() < deadline, "producer thread neither put nor blocked"
-            time.sleep(0.0002)
-        if th.is_alive():
-            blocked[w] = th
-        else:
-            next_item[w] += 1
-            schedule_producer(w, t)
-
-    def admit_blocked(t: float) -> None:
-        """Blocked producers that are admissible now put, in index order, before the next take."""
-        progress = True
-        while progress:
-            progress = False
-            for w in sorted(blocked):
-                item = producers[w][next_item[w]][1]
-                # a woken thread may already have put (then it is no longer admissible itself)
-                if not blocked[w].is_alive() or core.admissible(w, item):
-                    th = blocked.pop(w)
-                    th.join(WAIT_S)
-                    assert not th.is_alive(), f"producer {w} was admissible but did not put"
-                    next_item[w] += 1
-                    schedule_producer(w, t)
-                    progress = True
-                    break
-
-    def try_takes(t: float) -> None:
-        for d in sorted(waiting_drafters):
-            try:
-                items = q.take(drafter=d, timeout=0)
-            except QueueTimeout:
-                return  # the gate is shut for everyone at this instant
-            waiting_drafters.discard(d)
-            if items is None:
-                drained.add(d)
-                continue
-            heapq.heappush(events, (t + drafters[d][takes_done[d]], 1, d))
-            takes_done[d] += 1
-            admit_blocked(t)
-
-    for w in range(len(producers)):
-        schedule_producer(w, 0.0)
-    waiting_drafters.update(range(len(drafters)))
-    while len(drained) < len(drafters):
-        assert events or waiting_drafters, "driver stalled"
-        t = events[0][0] if events else clock.now
-        clock.now = t
-        batch = []
-        while events and events[0][0] == t:
-            batch.append(heapq.heappop(events))
-        for _, kind, idx in sorted(batch, key=lambda e: (e[1], e[2])):  # puts before takes, by index
-            if kind == 0:
-                put(idx, t)
-            else:
-                waiting_drafters.add(idx)
-        try_takes(t)
-        if not events and waiting_drafters and not blocked and q.qsize() == 0 and core.closed:
-            try_takes(t)  # drain: every remaining take returns None
-    return [(e.drafter, e.bucket, e.item_ids) for e in q.take_log()]
-
-
 # --------------------------------------------------------------------------- the specification
 CASES = [
     # (min_ready, max_depth, items_per_take, max_bytes)
@@ -192,22 +92,6 @@ CASES = [
     (5, 5, 2, None),
     (3, 8, 3, 60),
 ]
-
-
-@pytest.mark.parametrize("gate", ["threshold", "hysteresis"])
-@pytest.mark.parametrize("policy", ALL_POLICIES)
-@pytest.mark.parametrize(("min_ready", "max_depth", "per_take", "max_bytes"), CASES)
-def test_threaded_and_simpy_take_logs_are_identical(policy: str, gate: str, min_ready: int,
-                                                    max_depth: int, per_take: int,
-                                                    max_bytes: int | None) -> None:
-    cfg = QueueConfig(min_ready=min_ready, max_depth=max_depth, items_per_take=per_take,
-                      max_bytes=max_bytes, policy=policy, gate=gate)
-    trace = make_trace(seed=min_ready * 31 + max_depth, byte_sizes=max_bytes is not None)
-    sim_log = run_simpy(cfg, trace, seed=5)
-    thr_log = run_threaded(cfg, trace, seed=5)
-    n_items = sum(len(s) for s in trace[0])
-    assert sum(len(ids) for _, _, ids in sim_log) == n_items  # everything taken exactly once
-    assert thr_log == sim_log
 
 
 @pytest.mark.parametrize(("min_ready", "max_depth", "per_take", "max_bytes"), CASES)
@@ -233,7 +117,7 @@ def test_the_traces_exercise_ties_the_cap_and_the_drain(min_ready: int, max_dept
 
 # --------------------------------------------------------------------------- the distributed coordinator
 def run_coordinator(cfg: QueueConfig, trace: Trace, seed: int) -> list[tuple[int, int, tuple[str, ...]]]:
-    """Discrete-event driver of the multi-rank coordinator's pure decisions (2 targets + 2 drafters).
+    """Discrete-event driver of the multi-rank coordinator's pure decisions.
 
     The same-instant order is the service thread's: every ready report of an instant is applied (in
     producer order) before one ``serve`` answers the waiting drafters.
@@ -299,13 +183,15 @@ def run_coordinator(cfg: QueueConfig, trace: Trace, seed: int) -> list[tuple[int
 @pytest.mark.parametrize("gate", ["threshold", "hysteresis"])
 @pytest.mark.parametrize("policy", ALL_POLICIES)
 @pytest.mark.parametrize(("min_ready", "max_depth", "per_take", "max_bytes"), CASES)
-def test_the_coordinator_decides_like_the_simulator_with_two_targets_and_two_drafters(
-        policy: str, gate: str, min_ready: int, max_depth: int, per_take: int, max_bytes: int | None) -> None:
+@pytest.mark.parametrize("n_prod", [3, 2])
+def test_the_coordinator_decides_like_the_simulator(policy: str, gate: str, min_ready: int, max_depth: int,
+                                                    per_take: int, max_bytes: int | None, n_prod: int) -> None:
     cfg = QueueConfig(min_ready=min_ready, max_depth=max_depth, items_per_take=per_take,
                       max_bytes=max_bytes, policy=policy, gate=gate)
-    trace = make_trace(seed=min_ready * 17 + max_depth, n_prod=2, n_draft=2, byte_sizes=max_bytes is not None)
+    trace = make_trace(seed=min_ready * (31 if n_prod == 3 else 17) + max_depth, n_prod=n_prod, n_draft=2,
+                       byte_sizes=max_bytes is not None)
     sim_log = run_simpy(cfg, trace, seed=7)
     coord_log = run_coordinator(cfg, trace, seed=7)
-    assert sum(len(ids) for _, _, ids in sim_log) == sum(len(s) for s in trace[0])
+    assert sum(len(ids) for _, _, ids in sim_log) == sum(len(s) for s in trace[0])  # each item once
     assert coord_log == sim_log
     assert {d for d, _, _ in coord_log} == {0, 1}  # both drafters took

@@ -15,10 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dflash.core.config import QueueConfig
 from dflash.core.mixmetrics import mix_metrics
-from dflash.core.queue_core import QueueItem
-from dflash.pipeline.hsqueue import HSQueue
 from dflash.pipeline.telemetry import (
     MIX_KEYS,
     NvmlSampler,
@@ -28,7 +25,6 @@ from dflash.pipeline.telemetry import (
     flatten,
     gpu_metrics,
     percentile,
-    queue_health,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,65 +117,11 @@ def test_rolling_mix_equals_mix_metrics_over_the_last_items() -> None:
         mix.add_entry({"bucket": 0, "item_ids": ["a", "b"]}, [1.0])
 
 
-# ---------------------------------------------------------------------- queue_health
-class ManualClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def wait_until(cond, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.002)
-
-
-def test_queue_health_on_a_real_queue() -> None:
-    clock = ManualClock()
-    q = HSQueue(QueueConfig(min_ready=2, max_depth=3), 3, mix=[0.2, 0.3, 0.5], seed=0, clock=clock)
-    q.put(QueueItem("a", 0, nbytes=100))
-    q.put(QueueItem("b", 2, nbytes=50))
-    h0 = queue_health(q, None, 1.0)
-    assert h0["hs_depth"] == 2
-    assert [h0[f"hs_depth/bucket_{i}"] for i in range(3)] == [1, 0, 1]
-    assert h0["queued_bytes"] == 150
-    assert h0["gate_wait_ratio"] == 0.0 and h0["producer_blocked_ratio"] == 0.0
-
-    # A producer blocks at the cap for 3 s of queue time, then a take frees a slot.
-    q.put(QueueItem("c", 1, nbytes=10))
-    blocked = []
-    prod = threading.Thread(target=lambda: blocked.append(q.put(QueueItem("d", 1, nbytes=10), timeout=5)))
-    prod.start()
-    wait_until(lambda: q.stats()["blocked_producers"] == 1)
-    assert queue_health(q, h0, 1.0)["blocked_producers"] == 1
-    clock.t += 3.0
-    assert q.take(timeout=5) is not None
-    prod.join(5)
-    assert blocked == [3.0]
-    # Drain to below the gate, then a drafter waits 2 s at the gate until a put opens it.
-    while q.qsize() >= 2:
-        q.take(timeout=5)
-    got = []
-    drafter = threading.Thread(target=lambda: got.append(q.take(timeout=5)))
-    drafter.start()
-    wait_until(lambda: q._waiting_drafters == 1)
-    clock.t += 2.0
-    q.put(QueueItem("e", 0, nbytes=7))
-    drafter.join(5)
-    assert got and got[0] is not None
-
-    h1 = queue_health(q, h0, 10.0, n_drafter=1, n_target=2)
-    assert h1["producer_blocked_s"] == 3.0 and h1["drafter_wait_s"] == 2.0
-    assert h1["producer_blocked_ratio"] == pytest.approx(3.0 / (10.0 * 2))
-    assert h1["gate_wait_ratio"] == pytest.approx(2.0 / 10.0)
-    assert h1["hs_depth"] == q.qsize() == sum(h1[f"hs_depth/bucket_{i}"] for i in range(3))
-    assert h1["queued_bytes"] == q.queued_bytes()
-    h2 = queue_health(q, h1, 5.0)  # nothing waited since h1
-    assert h2["gate_wait_ratio"] == 0.0 and h2["producer_blocked_ratio"] == 0.0
-    assert queue_health(q, q.stats(), 5.0)["gate_wait_ratio"] == 0.0  # a stats() dict works too
 
 
 # ---------------------------------------------------------------------- NVML

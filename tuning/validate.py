@@ -198,20 +198,11 @@ def run_block(entry: dict[str, Any], block: int, base: DflashConfig, args: Valid
 
 
 def train_block(cfg: DflashConfig, run_dir: Path, *, resume: bool, progress: Callable[[str], None]) -> dict[str, Any]:
-    """One target + one drafter trains in this process (no start-up per block); any other shape
-    runs as the distributed job, one process per rank, like ``dflash train [--resume]``."""
-    if cfg.cluster.n_target == 1 and cfg.cluster.n_drafter == 1:
-        from dflash.pipeline.trainer import Trainer
+    """The block as the rank job ``dflash train [--resume]`` runs, one process per rank (1 + 1 is two
+    processes): what is validated is what the recommendation will launch. The summary record."""
+    from dflash.pipeline.trainer import train
 
-        return Trainer(cfg, run_dir, wandb_mode="disabled", progress=progress, resume=resume).run().summary
-    from dflash.pipeline.launch import launch
-    from dflash.pipeline.rank import RunSpec
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    progress(f"distributed run: {cfg.cluster.n_target} target + {cfg.cluster.n_drafter} drafter ranks")
-    if launch(RunSpec(cfg, str(run_dir), resume=resume, wandb="disabled", quiet=True)) != 0:
-        raise RuntimeError(f"the distributed run in {run_dir} failed")
-    return list(read_records(run_dir, "summary"))[-1]
+    return train(cfg, run_dir, resume=resume, quiet=True).summary
 
 
 def block_metrics(run_dir: Path, cfg: DflashConfig, t0: float) -> dict[str, Any]:
@@ -491,7 +482,7 @@ def _block_means(blocks: list[dict[str, Any]], metrics: dict[str, Any]) -> tuple
 def _final_tau(cfg: DflashConfig, run_dir: Path, target: Any, prompts: int) -> dict[str, Any]:
     """tau of the configuration's drafter after its last block, on prompts it never trained on."""
     from dflash.model.drafter import DFlashDrafter
-    from dflash.pipeline.trainer import TrainingData
+    from dflash.pipeline.training_data import TrainingData
 
     drafter = DFlashDrafter.load(run_dir / "drafter", target.model)
     data = TrainingData(cfg, target.tokenizer)

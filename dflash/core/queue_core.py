@@ -3,9 +3,9 @@
 :class:`QueueCore` holds the bucket contents and answers the questions of DESIGN.md's queue
 semantics: may this producer put (the cap), may a drafter take and why (the gate), and which items
 a take removes (the policy, oldest first inside a bucket). It never blocks and never reads a clock;
-callers pass the time in. The threaded queue (:mod:`dflash.pipeline.hsqueue`) wraps it in a lock and
-condition variables for the trainer; the SimPy engine wraps it in SimPy events. Both therefore make
-the very same decisions from the same sequence of calls.
+callers pass the time in. The trainer's coordinator (:mod:`dflash.pipeline.coordinator`, run by one
+thread of the rank job) wraps it for many ranks; the SimPy engine wraps it in SimPy events. Both
+therefore make the very same decisions from the same sequence of calls.
 """
 
 from __future__ import annotations

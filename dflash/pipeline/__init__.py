@@ -1,4 +1,4 @@
-"""The trainer as a torch.distributed job, one process per device, and its in-process twin.
+"""The trainer as a torch.distributed job, one process per device: the one training loop.
 
 Process model (:mod:`~dflash.pipeline.launch` starts it; torchrun may too): the first ``n_target``
 ranks are targets (:class:`~dflash.pipeline.workers.Producer`), the rest drafters
@@ -16,8 +16,8 @@ drafter rank also runs the coordinator thread (:mod:`~dflash.pipeline.service` a
 - ``workers``, ``drafter_loop``, ``lr``: the loops and the learning rate;
 - ``ledger``, ``checkpoint``, ``resume``: exact resume, fail-closed checkpoints, control file;
 - ``telemetry``: W&B, NVML, stage timers;
-- ``trainer`` + ``hsqueue``: the in-process pipeline (threads around the threaded queue), the
-  library API that tests, ``validate`` (1 + 1) and ``demo`` use.
+- ``trainer``: the library call that starts the job and reads back what it wrote (``validate``'s
+  blocks, the demo's calibration run, benchmarks and tests); ``training_data``: the run's data.
 
 Contracts: the control plane never carries tensors; a tensor stays on its producer until assigned
 and moves in globally numbered rounds, each rank doing its rounds in increasing order; one writer

@@ -14,8 +14,6 @@ Parts:
   ``stage/<name>_mean`` and ``stage/<name>_p95`` (and resets).
 - :class:`RollingMix`: DESIGN.md's mix metrics (:func:`dflash.core.mixmetrics.mix_metrics`) over the
   last N taken items.
-- :func:`queue_health`: ``hs_depth``, ``hs_depth/bucket_<i>``, ``queued_bytes``, and gate-wait /
-  producer-blocked ratios over the interval.
 - :class:`WandbLogger`: ``offline`` (default; ``wandb sync DIR`` uploads later), ``online`` or
   ``disabled`` (imports nothing).
 
@@ -25,17 +23,14 @@ Example, the trainer's side (one logging interval)::
     stages = StageTimer()
     mix = RollingMix(p=sampler.item_mix(), window=cfg.metrics.window)
     wb = WandbLogger(mode, out_dir, config=cfg.to_dict(), run_name=run_id, warn=progress)
-    prev, t_prev = None, queue.now()
     ...                                     # in the loops:
     with stages.stage("backward"):          # or stages.add("target_forward", dt) from a target thread
         loss.backward()
     mix.add_take(entry.bucket, [i.padded_len for i in items])   # per take, in take order
     ...                                     # every log interval:
     now = queue.now()
-    health = queue_health(queue, prev, now - t_prev, n_drafter=n_drafter, n_target=n_target)
-    prev, t_prev = health, now
     m = {"loss": loss, "lr": lr, "tokens_per_s": tok_s, "samples_per_s": smp_s,
-         **health, **mix.metrics(), **stages.metrics(), **gpu_metrics(gpus.drain())}
+         **mix.metrics(), **stages.metrics(), **gpu_metrics(gpus.drain())}
     records.write("step", t=now, step=step, ..., telemetry=m)   # same values in the local records
     wb.log(m, step=step)
     ...
@@ -55,12 +50,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dflash.core.mixmetrics import mix_metrics
-
-if TYPE_CHECKING:
-    from dflash.pipeline.hsqueue import HSQueue, TakeLogEntry
 
 logger = logging.getLogger("dflash.pipeline.telemetry")
 
@@ -336,8 +328,8 @@ class RollingMix:
             self._takes += 1
             self._items.extend((bucket, float(n), seq) for n in padded_lens)
 
-    def add_entry(self, entry: TakeLogEntry | Mapping[str, Any], padded_lens: Sequence[float]) -> None:
-        """A :class:`~dflash.pipeline.hsqueue.TakeLogEntry` or a take record, with its items' padded lengths."""
+    def add_entry(self, entry: Any, padded_lens: Sequence[float]) -> None:
+        """A take record (or any object with ``bucket`` and ``item_ids``), with its items' padded lengths."""
         bucket = entry["bucket"] if isinstance(entry, Mapping) else entry.bucket
         ids = entry["item_ids"] if isinstance(entry, Mapping) else entry.item_ids
         if len(ids) != len(padded_lens):
@@ -363,37 +355,6 @@ class RollingMix:
         out: dict[str, float] = {k: d[k] for k in MIX_KEYS}
         out["mix_items"] = len(buckets)
         return out
-
-
-# ====================================================================== queue health
-def queue_health(queue: HSQueue, prev_stats: Mapping[str, Any] | None, interval_s: float, *,
-                 n_drafter: int = 1, n_target: int = 1) -> dict[str, float]:
-    """Queue health over the last interval, flat for logging.
-
-    ``hs_depth``, ``hs_depth/bucket_<i>``, ``queued_bytes``, ``peak_queued_bytes``,
-    ``blocked_producers`` (now), ``gate_wait_ratio`` (drafter time at the gate per drafter-second of
-    the interval), ``producer_blocked_ratio`` (target time at the cap per target-second) and the
-    cumulative ``drafter_wait_s`` / ``producer_blocked_s``. ``prev_stats`` is the previous return
-    value (or a ``queue.stats()``); None means since the queue started. A wait is credited when it
-    ends, so one interval's ratio can exceed 1 after a long wait that began earlier.
-    """
-    stats = queue.stats()
-    depths = queue.bucket_sizes()
-    out: dict[str, float] = {"hs_depth": stats["queued"]}
-    for i, d in enumerate(depths):
-        out[f"hs_depth/bucket_{i}"] = d
-    out["queued_bytes"] = stats["queued_bytes"]
-    out["peak_queued_bytes"] = stats["peak_queued_bytes"]
-    out["blocked_producers"] = stats["blocked_producers"]
-    wait, blocked = float(stats["drafter_wait_s"]), float(stats["producer_blocked_s"])
-    prev_wait = float(prev_stats["drafter_wait_s"]) if prev_stats else 0.0
-    prev_blocked = float(prev_stats["producer_blocked_s"]) if prev_stats else 0.0
-    ok = interval_s > 0
-    out["gate_wait_ratio"] = (wait - prev_wait) / (interval_s * max(1, n_drafter)) if ok else math.nan
-    out["producer_blocked_ratio"] = (blocked - prev_blocked) / (interval_s * max(1, n_target)) if ok else math.nan
-    out["drafter_wait_s"] = wait
-    out["producer_blocked_s"] = blocked
-    return out
 
 
 # ====================================================================== W&B

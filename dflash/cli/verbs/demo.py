@@ -38,9 +38,10 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
             import shutil
 
             shutil.rmtree(cal_run)
-        from dflash.pipeline.trainer import Trainer
+        from dflash.pipeline.trainer import train
 
-        Trainer(with_overrides(cfg, {"train.max_steps": cal_steps}), cal_run, wandb_mode="disabled").run()
+        # the rank job dflash train runs (1 + 1 is two processes): calibration reads the records of ranks
+        train(with_overrides(cfg, {"train.max_steps": cal_steps}), cal_run, quiet=False)
     stage(3, "calibrate the simulator")
     from simulator.calibration import apply_calibration, calibrate, format_calibration, write_calibration
 
