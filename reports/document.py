@@ -70,8 +70,8 @@ table{border-collapse:collapse;margin:.6em 0;font-size:.88em}
 th,td{border:1px solid #d0d7de;padding:.25em .55em;text-align:right;vertical-align:top}
 th{background:#f6f8fa}td:first-child,th:first-child{text-align:left}
 caption{caption-side:bottom;text-align:left;font-size:.85em;color:#57606a;padding-top:.3em}
-pre{background:#f6f8fa;padding:.7em;overflow-x:auto;border-radius:4px}
-figure{margin:1em 0}img{max-width:100%;height:auto;border:1px solid #eaeef2}
+pre{background:#f6f8fa;padding:.7em;border-radius:4px;white-space:pre-wrap;overflow-wrap:anywhere}
+.wide{overflow-x:auto;max-width:100%}figure{margin:1em 0}img{max-width:100%;height:auto;border:1px solid #eaeef2}
 figcaption{font-size:.85em;color:#57606a}.missing{color:#8c6d00;background:#fff8c5;padding:.4em .6em}
 .strong{font-weight:600;font-size:1.05em}nav ol{columns:2;font-size:.9em}
 """
@@ -109,7 +109,7 @@ def _html_block(b: Block) -> str:
         table = b.df.to_html(index=False, escape=True, border=0, na_rep="n/a")
         if b.caption:
             table = table.replace(">\n", f">\n<caption>{_esc(b.caption)}</caption>\n", 1)
-        return table
+        return f'<div class="wide">{table}</div>'  # a wide table scrolls in its box, the page does not
     data = base64.b64encode(b.png).decode("ascii")
     return (f'<figure><img src="data:image/png;base64,{data}" alt="{_esc(b.caption)}">'
             f"<figcaption>{_esc(b.caption)}</figcaption></figure>")

@@ -171,17 +171,31 @@ def _cell_missing(ax: Any, text: str) -> None:
     ax.set_yticks([])
 
 
+def row_columns(rows: Sequence[Row]) -> list[tuple[int, str]]:
+    """The columns worth drawing: simulated and/or measured, whichever some row has (a report of real
+    runs alone has no empty simulated column)."""
+    return [(j, kind) for j, kind in ((0, "simulated"), (1, "measured")) if any(r[1 + j] is not None for r in rows)]
+
+
+def columns_text(rows: Sequence[Row]) -> str:
+    cols = [kind for _, kind in row_columns(rows)]
+    return "left simulated, right measured" if len(cols) == 2 else f"{cols[0]} runs" if cols else "no runs"
+
+
 def _sim_vs_real(rows: Sequence[Row], row_height: float, draw: Callable[[Any, RunData], str | None]) -> bytes:
-    """One figure row per config, simulated | measured side by side; ``draw`` fills one cell and
-    returns None, or a reason the cell is empty."""
+    """One figure row per config, simulated | measured side by side (only the columns some row has);
+    ``draw`` fills one cell and returns None, or a reason the cell is empty."""
     plt = _plt()
-    fig, axes = plt.subplots(len(rows), 2, figsize=(11, row_height * len(rows) + 0.4), squeeze=False,
-                             constrained_layout=True)
-    for i, (label, sim, real) in enumerate(rows):
-        for j, (run, kind) in enumerate(((sim, "simulated"), (real, "measured"))):
-            ax = axes[i][j]
+    cols = row_columns(rows)
+    fig, axes = plt.subplots(len(rows), max(1, len(cols)), figsize=(11 if len(cols) > 1 else 6.5,
+                                                                    row_height * len(rows) + 0.4),
+                             squeeze=False, constrained_layout=True)
+    for i, (label, *runs) in enumerate(rows):
+        for col, (j, kind) in enumerate(cols):
+            run = runs[j]
+            ax = axes[i][col]
             ax.set_title(f"{label} — {kind}", fontsize=9)
-            missing = "no take records" if run is None or not run.takes else draw(ax, run)
+            missing = f"not {kind}" if run is None else draw(ax, run)
             if missing:
                 _cell_missing(ax, missing)
             elif i == 0:

@@ -1,12 +1,12 @@
 """The recommendation: which configuration to run, what it trades against the reference configs, and how.
 
 The chosen configuration is the validation's ``chosen`` (it saw real runs), else the selection's
-first tuned configuration (the knee of the simulated front). The "why" compares it with DESIGN.md's
-``baseline`` and ``handpicked`` on both objectives and on memory, using measured numbers when the
-validation measured all three and the simulator's predictions otherwise (never a mix of the two,
-which would compare a real run with a simulated one). A difference counts only when it exceeds
-twice the combined standard error (or 0.5% / 0.005 when no error is known), so noise is not sold
-as a gain.
+first tuned configuration (the knee of the simulated front). The "why" compares it with the
+``baseline`` and ``handpicked`` of docs/ARCHITECTURE.md ("Two named reference configs") on both
+objectives and on memory, using measured numbers when the validation measured all three and the
+simulator's predictions otherwise (never a mix of the two, which would compare a real run with a
+simulated one). A difference counts only when it exceeds twice the combined standard error (or
+0.5% / 0.005 when no error is known), so noise is not sold as a gain.
 """
 
 from __future__ import annotations
@@ -174,8 +174,10 @@ def section(inputs: Inputs) -> Section:
 
 
 def evidence_blocks(inputs: Inputs) -> list[Text | Bullets]:
-    """What the sequential validation resolved: the recommendation in its own words, every comparison
-    of the tested configuration with its 95% interval, and the takes that would settle the rest.
+    """What the sequential validation resolved: the recommendation in its own words (which carry the
+    takes that would settle the rest: one figure, computed once in :func:`tuning.evidence.recommend`,
+    the same words the CLI prints), and every comparison of the tested configuration with its 95%
+    interval.
 
     A validation from before sequential blocks has no ``comparisons``: nothing is added, and the
     standard-error rule of :func:`tradeoff` is all the reader gets.
@@ -200,10 +202,6 @@ def evidence_blocks(inputs: Inputs) -> list[Text | Bullets]:
                        f"rounds of {val.data.get('block_takes', NA)} takes (intervals corrected for the looks; "
                        f"stopped: {val.data.get('stopped', NA)}):"))
     blocks.append(Bullets(tuple(items)))
-    more = num(rec.get("takes_to_resolve"))
-    if more is not None and not all(c.get("resolved") for c in comps):
-        blocks.append(Text(f"At the observed noise, about {more:,.0f} more takes per configuration would resolve "
-                           "the remaining differences (`dflash validate --takes`)."))
     return blocks
 
 

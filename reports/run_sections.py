@@ -45,6 +45,10 @@ def run_rows(inputs: Inputs) -> list[figures.Row]:
             slot[idx] = run
         else:  # a second run of the same name and source gets its own row
             pairs[f"{run.name} ({run.dir.name})"] = [run, None] if idx == 0 else [None, run]
+    # A run without take records (a calibration run read for its timings, a run killed before its
+    # first take) has nothing to draw over time: it gets no panel, not an empty one.
+    pairs = {n: [r if r is not None and r.takes else None for r in pair] for n, pair in pairs.items()}
+    pairs = {n: pair for n, pair in pairs.items() if any(pair)}
     names = _order(list(pairs), chosen)[:MAX_ROWS]
     return [(f"{n} (chosen)" if n == chosen else n, pairs[n][0], pairs[n][1]) for n in names]
 
@@ -53,15 +57,15 @@ def queue_section(inputs: Inputs) -> Section:
     sec = Section("Queue depth and bucket mix over time", "queue")
     rows = run_rows(inputs)
     if not rows:
-        sec.blocks.append(Missing("needs run records: a validation directory (runs/ and sim/), or run directories "
+        sec.blocks.append(Missing("needs take records: a validation directory (runs/ and sim/), or run directories "
                                   "from `dflash train --out` / `dflash simulate --records`"))
         return sec
     sec.blocks.append(Figure("queue_depth", figures.queue_depth(rows),
                              "Queue depth just before each take, stacked by length bucket (black: total); "
-                             "left simulated, right measured. Time axes differ: simulated seconds vs wall seconds."))
+                             f"{figures.columns_text(rows)}. Time axes differ: simulated seconds vs wall seconds."))
     sec.blocks.append(Figure("bucket_mix", figures.bucket_mix(rows),
                              "Rolling bucket mix: bucket shares of each consecutive window of W taken items "
-                             "(DESIGN.md's windows); left simulated, right measured."))
+                             f"(docs/ARCHITECTURE.md, Metrics: windows); {figures.columns_text(rows)}."))
     sec.blocks.append(Table(_runs_table(rows), "The runs drawn above."))
     return sec
 

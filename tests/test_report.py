@@ -289,6 +289,28 @@ def test_missing_sections_say_not_available_and_do_not_crash(demo: dict, tmp_pat
                      "rel. error": "n/a", "|diff|/SE": "n/a"}]
 
 
+def test_a_run_without_takes_gets_no_empty_panel(demo: dict, tmp_path: Path) -> None:
+    """A run read for its timings alone (a calibration run; here a simulated run's records without
+    take.jsonl) has nothing to draw over time: the queue figures leave it out instead of showing an
+    empty "no take records" panel, and a report of simulated runs alone has no measured column."""
+    import shutil
+
+    with_takes = demo["demo"] / "validate" / "sim" / "baseline"
+    without = tmp_path / "calibration-run"
+    shutil.copytree(with_takes, without)
+    (without / "take.jsonl").unlink()
+    out = tmp_path / "out"
+    assert main(["report", str(with_takes), str(without), "--out", str(out)]) == 0
+    queue = section((out / "report.md").read_text(), "Queue depth and bucket mix over time")
+    drawn = parse_md_table(queue)
+    assert [r["directory"] for r in drawn] == [str(with_takes)]
+    assert "simulated runs" in queue and "left simulated, right measured" not in queue
+    out2 = tmp_path / "out2"
+    assert main(["report", str(without), "--out", str(out2)]) == 0
+    alone = section((out2 / "report.md").read_text(), "Queue depth and bucket mix over time")
+    assert "> Not available: needs take records" in alone and "![" not in alone
+
+
 @pytest.mark.parametrize("kind", ["text file", "empty dir", "bad selection", "bad validation"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(kind: str, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture) -> None:

@@ -99,10 +99,19 @@ def all_resolved(comparisons: Sequence[Comparison]) -> bool:
 
 @dataclass(frozen=True)
 class Recommendation:
+    """The pick, and the one home of the figures a person reads about it: the CLI summary, best.toml's
+    comment and the report all print ``words`` and read ``takes_to_resolve`` from here (through
+    validation.json), never recompute them."""
+
     name: str
     candidates: tuple[str, ...]
     against_best: tuple[Comparison, ...]  # every other config against the measured best, per objective
     words: str
+    takes_to_resolve: int | None = None  # more takes per config that would resolve the open differences
+
+    def as_json(self) -> dict[str, object]:
+        return {"name": self.name, "candidates": list(self.candidates), "words": self.words,
+                "against_best": [c.as_json() for c in self.against_best], "takes_to_resolve": self.takes_to_resolve}
 
 
 def recommend(blocks: BlockMeans, peak_bytes: Mapping[str, float], *, max_looks: int,
@@ -124,8 +133,23 @@ def recommend(blocks: BlockMeans, peak_bytes: Mapping[str, float], *, max_looks:
     candidates = tuple(n for n in names if n not in worse)
     pick = min(candidates, key=lambda n: (peak_bytes.get(n, math.inf),
                                           -_mean(blocks[n]["throughput_tokens_per_s"]), n))
+    more = open_takes_to_resolve(open_differences(against_best, candidates), block_takes)
     return Recommendation(pick, candidates, tuple(against_best),
-                          _words(pick, candidates, against_best, peak_bytes, block_takes, objectives))
+                          _words(pick, candidates, peak_bytes, objectives, more), more)
+
+
+def open_differences(against_best: Sequence[Comparison], candidates: Sequence[str]) -> list[Comparison]:
+    """The comparisons the recommendation leaves open: a candidate not resolved apart from the best."""
+    return [c for c in against_best if not c.resolved and c.config in candidates]
+
+
+def open_takes_to_resolve(comparisons: Sequence[Comparison], block_takes: int) -> int | None:
+    """The most :func:`takes_to_resolve` over ``comparisons`` (None: nothing to resolve, or no estimate).
+
+    The one computation of the "about N more takes" figure: the recommendation stores it, and every
+    place that shows it reads it from there."""
+    more = [m for m in (takes_to_resolve(c, block_takes) for c in comparisons) if m is not None]
+    return max(more) if more and max(more) > 0 else None
 
 
 def takes_to_resolve(c: Comparison, block_takes: int) -> int | None:
@@ -141,8 +165,8 @@ def takes_to_resolve(c: Comparison, block_takes: int) -> int | None:
     return max(1, math.ceil(need - n)) * block_takes
 
 
-def _words(pick: str, candidates: Sequence[str], against_best: Sequence[Comparison],
-           peak_bytes: Mapping[str, float], block_takes: int, objectives: Sequence[str]) -> str:
+def _words(pick: str, candidates: Sequence[str], peak_bytes: Mapping[str, float], objectives: Sequence[str],
+           more: int | None) -> str:
     others = [n for n in candidates if n != pick]
     on = "on either objective" if len(objectives) > 1 else \
         "on throughput (the blocks were too short to measure a mix efficiency)"
@@ -150,11 +174,9 @@ def _words(pick: str, candidates: Sequence[str], against_best: Sequence[Comparis
            f"configurations not resolved worse than the measured best {on}"
     if others:
         text += f" ({', '.join(others)} {'is' if len(others) == 1 else 'are'} not resolved apart from it)"
-    open_ = [c for c in against_best if not c.resolved and (c.config in candidates)]
-    more = [m for m in (takes_to_resolve(c, block_takes) for c in open_) if m is not None]
-    if more:
-        text += f"; about {max(more)} more takes per configuration would resolve the remaining differences " \
-                f"at the observed noise"
+    if more is not None:
+        text += f"; about {more:,} more takes per configuration would resolve the remaining differences " \
+                f"at the observed noise (dflash validate --takes)"
     return text + "."
 
 
