@@ -13,15 +13,16 @@ drafter rank also runs the coordinator thread (:mod:`~dflash.pipeline.service` a
 - ``service``: the coordinator thread: channel, feed, records, ledger, live control;
 - ``channel``: the control plane (sockets, timeouts, never tensors);
 - ``transport``: the data plane (point-to-point rounds; gloo, NCCL, host-staged);
-- ``workers``, ``drafter_loop``, ``lr``: the loops and the learning rate;
+- ``workers``, ``drafter_loop``: the producer and drafter loops; ``optim``: the optimizer and the
+  learning-rate schedule;
 - ``ledger``, ``checkpoint``, ``resume``: exact resume, fail-closed checkpoints, control file;
 - ``telemetry``: W&B, NVML, stage timers;
 - ``trainer``: the library call that starts the job and reads back what it wrote (``validate``'s
   blocks, the demo's calibration run, benchmarks and tests); ``training_data``: the run's data.
 
-Contracts: the control plane never carries tensors; a tensor stays on its producer until assigned
-and moves in globally numbered rounds, each rank doing its rounds in increasing order; one writer
-(the coordinator) of records and of the ledger; a checkpoint is valid only with its ledger step and
-only if its manifest verifies (recovery fails closed); every wait has a timeout and a hung rank says
-what it waits for (``RUN/.ranks``).
+Contracts (docs/ARCHITECTURE.md, "The distributed pipeline"): the control plane never carries
+tensors; a tensor stays on its producer until assigned and moves in globally numbered rounds, each
+rank doing its rounds in increasing order; one writer (the coordinator) of records and of the
+ledger; a checkpoint is valid only with its ledger step and only if its manifest verifies (recovery
+fails closed); every wait has a timeout and a hung rank says what it waits for (``RUN/.ranks``).
 """
