@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -40,7 +41,7 @@ def data_with_unusable_conversations(src: Path, dst: Path) -> int:
                                                              {"from": "gpt", "value": ""}]})
         bad.append({"id": f"long-{i}", "conversations": [{"from": "human", "value": ask * 20},
                                                            {"from": "gpt", "value": "ok"}]})
-    dst.write_text("".join(json.dumps(r) + "\n" for r in rows[:40] + bad))
+    dst.write_text("".join(json.dumps(r) + "\n" for r in rows + bad))
     return len(bad)
 
 
@@ -51,6 +52,7 @@ def epoch_run(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> dict:  # 
     added = data_with_unusable_conversations(run_inputs["data"], d / "data.jsonl")
     cfg = write_cfg(d / "cfg.toml", {**run_inputs, "data": d / "data.jsonl"}, epochs=1, checkpoint_every=5,
                     log_every=4)
+    cfg.write_text(cfg.read_text() + "[metrics]\nwindow = 8\n")  # a rolling window the epoch fills early
     run = d / "run"
     res = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--out", str(run),
                           "--wandb", "offline"], cwd=ROOT, env=ENV, capture_output=True, text=True,
@@ -113,6 +115,14 @@ def test_offline_wandb_and_per_rank_telemetry_land_in_the_run_and_its_records(ep
     keys = {k for r in logged for k in r["telemetry"]}  # the target's interval holds the items it produced
     assert "rank/0/stage/target_forward_mean" in keys and "rank/1/stage/drafter_compute_mean" in keys
     assert all(r["queue"]["depth"] >= 0 for r in logged)
+
+
+def test_step_lines_show_the_rolling_mix_once_a_window_was_taken_and_never_nan(epoch_run) -> None:
+    lines = [line for line in epoch_run["stdout"].splitlines() if line.startswith("step ")]
+    assert len(lines) >= 6 and "nan" not in "\n".join(lines).lower()
+    early = [line for line in lines if int(line.split()[1]) < 8]  # window W = 8 items, one item per take
+    assert early and all("mix_efficiency(rolling) n/a (needs 8 takes)" in line for line in early)
+    assert re.search(r"mix_efficiency\(rolling\) \d\.\d{3}", lines[-1]), lines[-1]
 
 
 def test_the_library_call_runs_the_same_job_to_max_steps_and_lists_what_it_discarded(step_run) -> None:

@@ -21,7 +21,6 @@ import hashlib
 import json
 import math
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -307,18 +306,37 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
     try:
         while (unit := _next_unit(store, me)) is not None:
             name, block = split_unit(unit)
-            upto = block_steps(base, args, block)[0]
-            progress(f"== {name}, block {block + 1}/{looks} (to step {upto}): {entries[name]['queue']} ==")
             row, status = _run_claimed(store, unit, me, partial(run_block, entries[name], block, base, args, progress))
-            if status == "failed":
-                progress(f"{name} block {block + 1} failed: {row['error']}")
-            if not store.finish(unit, me, row, status):
+            kept = store.finish(unit, me, row, status)
+            rows = store.rows()
+            finished = sum(r["status"] in ("done", "failed", "skipped") for r in rows)
+            progress(block_line(row, entries[name]["queue"], looks, finished, len(rows)))
+            if not kept:
                 progress(f"{unit}: claim lost to another worker (this one was taken for dead); result dropped")
             _look_after_round(store, block, looks, progress)
         rows = store.rows()
     finally:
         store.close()
     return write_summary(base, calibrated, args, rows, progress)
+
+
+def block_line(row: dict[str, Any], queue: dict[str, Any], looks: int, done: int, total: int, width: int = 20
+               ) -> str:
+    """One line per block: a bar over the whole validation, the config, its block, steps, tokens/s and
+    queue depth (or why the block failed)."""
+    filled = round(width * done / total) if total else width
+    bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+    knobs = f"{queue.get('min_ready')}/{queue.get('max_depth')} {queue.get('policy') or ''}".rstrip()
+    head = f"{bar} {row['name']} ({knobs}) block {row['block'] + 1}/{looks}"
+    if "error" in row:
+        return f"{head}: FAILED ({row['error']})"
+
+    def num(key: str, spec: str) -> str:
+        v = row.get(key)
+        return "n/a" if v is None else format(v, spec)
+
+    return (f"{head}: steps {row.get('steps')}, tokens/s {num('throughput_tokens_per_s', ',.0f')}, queue depth "
+            f"{num('mean_queue_depth', '.1f')} (mean), mix_efficiency {num('mix_efficiency', '.3f')}")
 
 
 def _next_unit(store: ClaimStore, me: str, poll_s: float = 2.0) -> str | None:
@@ -588,4 +606,5 @@ def format_validation(payload: dict[str, Any]) -> str:
 
 
 def progress_printer(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """Progress goes to stdout with the rest of the command's output (stderr carries only errors)."""
+    print(msg, flush=True)

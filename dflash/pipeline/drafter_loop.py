@@ -110,11 +110,21 @@ class DrafterLoop:
                    **{f"resident_bytes/rank_{r}": b for r, b in enumerate(q["resident_bytes_per_producer"])},
                    **{f"stage/{k.removesuffix('_s')}_mean": tot / n for k, (tot, n) in self.stage_totals.items()
                       if n}, **self.rr.service.last_telemetry}
+        mix = self.rr.service.mix.metrics()
+        window = self.cfg.metrics.window
+        if mix["mix_items"] < window:  # a rolling metric exists once a window of items was taken
+            mix_txt = f"n/a (needs {math.ceil(window / self.cfg.queue.items_per_take)} takes)"
+        elif math.isfinite(mix["mix_efficiency"]):
+            metrics.update({f"rolling/{k}": v for k, v in mix.items() if k != "mix_items"})
+            mix_txt = f"{mix['mix_efficiency']:.3f}"
+        else:
+            mix_txt = "n/a (one bucket in the item mix)"
         if wb is not None:
             wb.log(metrics, step=step)
         loss_txt = f"{loss:.4f}" if math.isfinite(loss) else "n/a (no anchors)"
         self.rr.progress(f"step {step + 1:>5}  loss {loss_txt}  lr {info['lr']:.2e}  tokens/s {tokens_per_s:,.0f}  "
-                         f"queue depth {q['depth']} {q['bucket_depths']}  ranks {self.rr.roles.world_size}")
+                         f"queue depth {q['depth']} {q['bucket_depths']}  mix_efficiency(rolling) {mix_txt}  "
+                         f"ranks {self.rr.roles.world_size}")
 
     def checkpoint(self, step: int) -> None:
         """The drafter's state and the coordinator's snapshot at ``step`` (after the ledger committed it)."""

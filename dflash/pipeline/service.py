@@ -116,6 +116,9 @@ class CoordinatorService:
         self.producer_blocked_s = 0.0
         self.drafter_wait_s = 0.0
         self.telemetry = RankTelemetry()
+        from dflash.pipeline.telemetry import RollingMix
+
+        self.mix = RollingMix(sampler.item_mix(), cfg.metrics.window)  # the step line's rolling mix metrics
         self.last_telemetry: dict[str, float] = {}  # the latest logging interval's per-rank values (W&B)
 
     # ------------------------------------------------------------------ lifecycle
@@ -263,6 +266,7 @@ class CoordinatorService:
             a = self._assigned.pop(d, None)
             for take in done[d]["takes"]:
                 assert a is not None and [i.item_id for i in a.items] == take["item_ids"], "take report mismatch"
+                self.mix.add_take(a.bucket, [i.padded_len for i in a.items])
                 self.records.write("take", t=a.t, drafter=d, rank=self.roles.n_target + d, pid=done[d]["pid"],
                                    step=step, item_ids=take["item_ids"], bucket=a.bucket, wait_s=a.wait_s,
                                    depth_before=a.depth_before, bucket_depths=list(a.bucket_depths), gate=a.gate,
