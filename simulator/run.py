@@ -25,6 +25,7 @@ from typing import Any
 
 import simpy
 
+from dflash.core.autopilot import Autopilot, QueueState
 from dflash.core.config import DflashConfig
 from dflash.core.memory_model import allreduce_seconds, bytes_per_token, fullest_device_bytes
 from dflash.core.queue_core import QueueCore, QueueItem
@@ -46,6 +47,7 @@ class SimResult:
     wall_s: float = 0.0
     series: dict[str, list[Any]] = field(default_factory=dict, repr=False)  # downsampled, for plots
     records_kept: bool = True
+    controls: list[dict[str, Any]] = field(default_factory=list, repr=False)  # the autopilot's control records
 
     @property
     def produce(self) -> list[dict[str, Any]]:
@@ -63,7 +65,8 @@ class SimResult:
 
     def as_json(self) -> dict[str, Any]:
         return {"metrics": self.metrics, "summary": self.summary, "item_mix": self.item_mix,
-                "bucket_bounds": list(self.bucket_bounds), "wall_s": self.wall_s}
+                "bucket_bounds": list(self.bucket_bounds), "wall_s": self.wall_s,
+                **({"controls": self.controls} if self.controls else {})}
 
 
 def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_items: int | None = None,
@@ -113,7 +116,14 @@ class _Pipeline:
         self.peaks = [0, 0]  # the most bytes one producer held, the most one take held
         self.step_no, self.trained, self.producers_left = [0], [0], [self.n_target]
         self.budget_done = env.event()
-        self.queue = SimHSQueue(env, self.core, self._on_take_callback(), self.stream.put)
+        # [queue] mode = "auto": the autopilot (the coordinator's own code) sees every put and take and
+        # may change min_ready/max_depth between takes; its decisions are kept as control records
+        self.autopilot = Autopilot(cfg.queue, self.mix, window=cfg.metrics.window, n_target=self.n_target,
+                                   n_drafter=self.n_drafter, memory_bytes=_queue_memory_budget(cfg), seed=cfg.seed) \
+            if cfg.queue.mode == "auto" else None
+        self.controls: list[dict[str, Any]] = []
+        self.knobs: list[tuple[float, int, int]] = [(0.0, cfg.queue.min_ready, cfg.queue.max_depth)]
+        self.queue = SimHSQueue(env, self.core, self._on_take_callback(), self._on_put_callback())
         self.specs = sampler.iter_items() if max_items is None else item_stream(sampler.iter_items(), max_items)
         for w in range(self.n_target):
             env.process(self.producer(w))
@@ -130,6 +140,7 @@ class _Pipeline:
         move_s = _transfer_s_per_byte(self.cfg)  # [producer][drafter]
         moves = any(x for row in move_s for x in row)
         stream_take, take_rows, records = self.stream.take, self.trace.take_rows, self.records
+        autopilot, core, controls, knobs = self.autopilot, self.core, self.controls, self.knobs
 
         def on_take(ev: QueueGet | TakeRequest, items: list[QueueItem], reason: str, depth_before: int,
                     bucket_depths: tuple[int, ...]) -> None:
@@ -154,8 +165,28 @@ class _Pipeline:
             if records:
                 take_rows.append((now, ev.index, ev.step, [it.item_id for it in items], items[0].bucket, wait,
                                   depth_before, bucket_depths, reason, compute, tokens, n_seqs, anchors))
+            if autopilot is not None:
+                autopilot.observe_take(now, items[0].bucket, len(items), wait)
+                decision = autopilot.decide(now, QueueState(core.depth, core.queued_bytes, len(core.blocked)))
+                if decision is not None:
+                    core.reconfigure(decision.config)
+                    controls.append(decision.record())
+                    knobs.append((now, decision.config.min_ready, decision.config.max_depth))
 
         return on_take
+
+    def _on_put_callback(self) -> Callable[[float, QueueItem], None]:
+        """The queue's put hook: streamed metrics, and the autopilot's arrivals and cap blocks."""
+        stream_put, autopilot = self.stream.put, self.autopilot
+        if autopilot is None:
+            return stream_put
+        observe = autopilot.observe_put
+
+        def on_put(t: float, item: QueueItem) -> None:
+            stream_put(t, item)
+            observe(t, item.bucket, item.nbytes, t - item.payload[3])  # blocked since its compute ended
+
+        return on_put
 
     def producer(self, w: int) -> Any:
         """Draw the next item of the shared stream, compute it, put it (blocking at the cap)."""
@@ -276,7 +307,12 @@ class _Pipeline:
                        peak_device_bytes=fullest_device_bytes(self.cfg, n_target=self.n_target,
                                                               producer_bytes=producer_peak, drafter_bytes=take_peak))
         series = {"depth": stream.depth_series.points, "windows": stream.window_series.points}
-        return SimResult(metrics, summary, self.trace, self.mix, self.sampler.bounds, 0.0, series, self.records)
+        if self.autopilot is not None:
+            series["knobs"] = [*self.knobs, (close_t, *self.knobs[-1][1:])]
+            metrics.update(autopilot_decisions=len(self.controls), final_min_ready=core.config.min_ready,
+                           final_max_depth=core.config.max_depth)
+        return SimResult(metrics, summary, self.trace, self.mix, self.sampler.bounds, 0.0, series, self.records,
+                         self.controls)
 
 
 def _run(env: simpy.Environment, sim_seconds: float, budget_done: Any, progress: Callable[[float], None] | None
@@ -309,6 +345,13 @@ def _sequence_anchors(cfg: DflashConfig, sampler: Sampler) -> list[int]:
     return per_sampler[key]
 
 
+def _queue_memory_budget(cfg: DflashConfig) -> int | None:
+    """Bytes of queued hidden states the autopilot may plan for: the sweep's per-device memory budget,
+    when one is set (the queue lives on the target devices; their other memory is not subtracted)."""
+    gib = cfg.sweep.memory_budget_gib
+    return None if gib is None else int(gib * 2**30)
+
+
 def _transfer_s_per_byte(cfg: DflashConfig) -> list[list[float]]:
     """Seconds per byte from producer ``w`` to drafter ``d``: ranks fill nodes in order, targets
     first (each target worker on ``gpus_per_target`` GPUs); a move within a node costs the intra
@@ -336,4 +379,6 @@ def write_records(result: SimResult, out_dir: str | Path, run_id: str, close_t: 
             w.write("produce", **r)
         for r in result.trace.take_records():
             w.write("take", **r)
+        for r in result.controls:
+            w.write("control", **r)
         w.write("summary", t=close_t, **result.summary, schema=SCHEMA_VERSION)

@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.core.config import FLAG_FOR_KEY, GATES, POLICIES, DflashConfig, check_choice, check_float, check_int
+from dflash.core.config import (
+    FLAG_FOR_KEY,
+    GATES,
+    POLICIES,
+    QUEUE_MODES,
+    DflashConfig,
+    check_choice,
+    check_float,
+    check_int,
+)
 from dflash.core.errors import ConfigError
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -92,6 +101,11 @@ QUEUE_OPTS = (
         key="queue.items_per_take", metavar="N"),
     Opt(FLAG_FOR_KEY["queue.gate"], "str", "gate rule", key="queue.gate",
         metavar="{" + ",".join(GATES) + "}"),
+    Opt(FLAG_FOR_KEY["queue.mode"], "str", "auto: the autopilot moves min-ready and max-depth between takes "
+        "to hold --target-mix with the least queued memory; static: they stay as set",
+        key="queue.mode", metavar="{" + ",".join(QUEUE_MODES) + "}"),
+    Opt(FLAG_FOR_KEY["queue.target_mix_efficiency"], "float", "the rolling mix_efficiency the autopilot holds "
+        "(0 < X <= 1.5, default 0.95)", key="queue.target_mix_efficiency", metavar="X"),
 )
 CALIBRATION = Opt("--calibration", "infile", "calibration file written by 'dflash calibrate'", metavar="FILE")
 N_TARGET = Opt("--n-target", "int", "target workers (>= 1)", key="cluster.n_target", metavar="N")

@@ -32,6 +32,7 @@ DATASET_PACKAGED = "sharegpt"  # the packaged ShareGPT file, exactly
 DATASET_NAMES = (DATASET_AUTO, DATASET_PACKAGED)
 DRAFTER_SYNCS = ("step", "none")
 SWEEP_SAMPLERS = ("nsga2", "tpe", "grid")
+QUEUE_MODES = ("static", "auto")  # auto: dflash.core.autopilot moves min_ready/max_depth
 
 # Flags that alias file keys; the CLI uses this to name both in error lines.
 FLAG_FOR_KEY = {
@@ -41,6 +42,8 @@ FLAG_FOR_KEY = {
     "queue.policy": "--policy",
     "queue.gate": "--gate",
     "queue.items_per_take": "--items-per-take",
+    "queue.mode": "--queue",
+    "queue.target_mix_efficiency": "--target-mix",
 }
 
 
@@ -202,7 +205,14 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class QueueConfig:
-    """The knobs of DESIGN.md's queue semantics; valid configs cannot deadlock."""
+    """The knobs of DESIGN.md's queue semantics; valid configs cannot deadlock.
+
+    ``mode = "auto"`` hands ``min_ready``/``max_depth`` to the autopilot
+    (:mod:`dflash.core.autopilot`): it starts from the configured pair and moves them between takes
+    to hold the rolling ``mix_efficiency`` at ``target_mix_efficiency`` with the least queued memory,
+    never below ``auto_min_ready`` nor above ``auto_max_depth`` (None: the configured ``max_depth``),
+    nor past ``max_bytes``. ``"static"`` (the default) leaves them where they are set.
+    """
 
     min_ready: int = 30
     max_depth: int = 90
@@ -210,6 +220,10 @@ class QueueConfig:
     policy: str = "random_item"
     gate: str = "threshold"
     items_per_take: int = 1
+    mode: str = "static"
+    target_mix_efficiency: float = 0.95
+    auto_min_ready: int = 1
+    auto_max_depth: int | None = None
 
     def __post_init__(self) -> None:
         check_int("queue.max_depth", self.max_depth, 1)
@@ -219,6 +233,16 @@ class QueueConfig:
         check_choice("queue.policy", self.policy, POLICIES)
         check_choice("queue.gate", self.gate, GATES)
         check_int("queue.items_per_take", self.items_per_take, 1)
+        check_choice("queue.mode", self.mode, QUEUE_MODES)
+        check_float("queue.target_mix_efficiency", self.target_mix_efficiency, 0.0, 1.5, lo_open=True)
+        check_int("queue.auto_min_ready", self.auto_min_ready, 1, self.min_ready)
+        if self.auto_max_depth is not None:
+            check_int("queue.auto_max_depth", self.auto_max_depth, self.max_depth)
+
+    @property
+    def depth_limit(self) -> int:
+        """The largest max_depth the autopilot may set."""
+        return self.max_depth if self.auto_max_depth is None else self.auto_max_depth
 
 
 def default_gamma(block_size: int) -> float:

@@ -28,10 +28,11 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     bar.close()
     m, s = result.metrics, result.summary
     q = cfg.queue
+    auto = f" (start; autopilot holds mix_efficiency {q.target_mix_efficiency:g})" if q.mode == "auto" else ""
     print(f"simulated {sim_seconds:g} s in {result.wall_s:.2f} s wall "
           f"({sim_seconds / max(result.wall_s, 1e-9):,.0f}x): {cfg.cluster.n_target} targets, "
           f"{cfg.cluster.n_drafter} drafters ({cfg.cluster.drafter_sync}), min_ready {q.min_ready}, "
-          f"max_depth {q.max_depth}, policy {q.policy}, gate {q.gate}")
+          f"max_depth {q.max_depth}{auto}, policy {q.policy}, gate {q.gate}")
     if not m.get("steady_state_reached"):
         print("steady state not reached: depth never reached min_ready before the end")
     else:
@@ -39,6 +40,8 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     print(f"accounting: produced {s['produced']} = trained {s['trained']} + skipped_no_anchors "
           f"{s['skipped_no_anchors']} + discarded_at_stop {s['discarded_at_stop']}; stranded at stop: {s['stranded']}")
     print(format_memory(cfg, m))
+    if q.mode == "auto":
+        print(format_autopilot(result.controls, m))
     payload = {"config": cfg.to_dict(), "sim_seconds": sim_seconds, **result.as_json()}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -49,11 +52,23 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     if args.plot:
         from simulator.plot import plot_queue
 
-        title = (f"min_ready {q.min_ready}, max_depth {q.max_depth}, {q.policy}: "
+        knobs = "auto" if q.mode == "auto" else f"min_ready {q.min_ready}, max_depth {q.max_depth}"
+        title = (f"{knobs}, {q.policy}: "
                  f"mix_efficiency {m.get('mix_efficiency', float('nan')):.3f}")
         plot_queue(result.series, result.bucket_bounds, args.plot, window=cfg.metrics.window, title=title)
         print(f"plot: {args.plot}")
     return 0
+
+
+def format_autopilot(controls: list[dict[str, Any]], m: dict[str, Any]) -> str:
+    """The autopilot's changes in one line: how many, where it ended, the last reason."""
+    end = f"min_ready {m.get('final_min_ready')}, max_depth {m.get('final_max_depth')}"
+    if not controls:
+        return f"autopilot: no change ({end})"
+    last = controls[-1]["reason"]
+    return (f"autopilot: {len(controls)} changes, ended at {end} ({last['bound']}-bound: "
+            f"{'min_ready sets the mix' if last['min_ready_binds'] else 'min_ready does not bind, max_depth sets the mix'}"
+            f"; last: {last['rule']} at t {controls[-1]['t']:.0f} s); control records with --records")
 
 
 PROGRESS_AFTER_S = 3.0  # wall seconds before a run starts reporting progress on stderr

@@ -1,0 +1,374 @@
+"""The queue autopilot: min_ready and max_depth moved between takes to hold a mix goal cheaply.
+
+What it decides: with ``[queue] mode = "auto"``, after a take, whether to change ``min_ready`` and
+``max_depth`` (never the policy, gate or items per take), so that the rolling ``mix_efficiency``
+stays at or above ``target_mix_efficiency`` with the least queued memory, and the bottleneck
+stage loses at most ``MAX_LOSS`` of its time to the queue. Every decision comes with its reason:
+the measured mix and its interval, the bucket arrival rates, the gate wait and cap block shares,
+the mix each buffer size would give, and the rule that fired.
+
+One knob at a time: the queue mixes as a buffer of the items it holds, and which knob sets that
+buffer depends on the bottleneck. Target-bound (drafters wait at the gate more than producers
+block at the cap) the queue hovers at ``min_ready``: that is the knob, and ``max_depth`` follows
+at the configured ratio (it bounds bursts; it opens further if producers lose time at the cap).
+Drafter-bound the queue sits at ``max_depth``: that is the knob, ``min_ready`` does not bind (the
+reason says so) and is only kept at or below ``max_depth``; drafters waiting at the gate more than
+``MAX_LOSS`` of their time raise it.
+
+Which size: the measured mix of the one size in use cannot say whether a smaller one would do,
+and its window-to-window spread is large (std ~0.25 at W = 32), mostly from the arrival order. So
+the autopilot feeds the real arrivals to :class:`ShadowBuffer` s of every size on a ladder, each
+taking with the run's own policy, and picks the smallest size whose rolling mix over the last
+``HORIZON_WINDOWS`` windows meets the target. All sizes see the same arrivals, so their
+differences are the size's.
+
+How it starts and how fast it moves: from the configured pair, first after ``FIRST_WINDOWS``
+windows. It decides at most once every ``PERIOD_WINDOWS`` new windows of the queue's takes; a
+decision moves the knob by at most ``STEP_UP`` (up) or ``STEP_DOWN`` (down) of its value (at least
+one item), and lowers only when the size needed is ``DEAD_BAND`` below the knob, so a steady input
+settles instead of oscillating (tests/test_autopilot.py).
+
+What it never does: read a clock (callers pass the time in), block, touch the queue's contents, or
+go outside its limits: ``auto_min_ready`` <= min_ready, max_depth <= ``auto_max_depth`` (the
+configured max_depth by default), and queued bytes within ``max_bytes`` and the memory budget
+given to it. It is pure and torch-free like :class:`dflash.core.queue_core.QueueCore`. The caller
+(the simulator here; the trainer's coordinator the same way) calls ``observe_put`` for each put,
+``observe_take`` then ``decide`` for each take, in the queue's order, and applies a decision's
+config with ``QueueCore.reconfigure`` before the next take, writing ``Decision.record()`` as a
+control record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dflash.core.config import QueueConfig
+from dflash.core.mixmetrics import entropy, expected_window_entropy
+from dflash.core.policies import NO_HEAD, make_policy
+
+STEP_UP = 0.15  # the most one decision raises a knob, as a share of its value (at least one item)
+STEP_DOWN = 0.10  # the most one decision lowers it: slower than up, so noise cannot walk it down
+MAX_LOSS = 0.01  # the bottleneck's time the queue may cost (gate wait or cap block beyond the cheapest)
+HORIZON_WINDOWS = 96  # mix windows in the rolling interval (3,072 items at W = 32)
+PERIOD_WINDOWS = 4  # new mix windows between two decisions
+FIRST_WINDOWS = 16  # windows every size's shadow has seen before the first decision (512 items at W = 32)
+REPLICAS = 2  # shadow buffers per size (their windows are pooled)
+MARGIN = 0.0  # the set point: target + MARGIN
+DEAD_BAND = 0.05  # lower only when the size needed is this share (at least one item) below the knob
+SMOOTH = 0.5  # weight of the newest estimate of the size needed (in log space) at each decision
+PLATEAU = 0.01  # when no size meets the target: the smallest this close to the best mix (more buys little)
+# The shadows' interval, mean - Z standard errors, is what must meet the target. Z = 0.5 cost
+# 4-56% more queue memory on the target-bound example (5 seeds) for a run mix already >= 0.95 at
+# Z = 0: window efficiencies are correlated over a mega-batch, so their standard error says little.
+Z = 0.0
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """What the queue holds between takes (as the caller reads it from its QueueCore)."""
+
+    depth: int
+    queued_bytes: int
+    blocked_producers: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A change of the knobs and why: ``config`` is applied with ``QueueCore.reconfigure``."""
+
+    t: float
+    config: QueueConfig
+    change: dict[str, int]
+    reason: dict[str, Any]
+
+    def record(self) -> dict[str, Any]:
+        """The control record's fields (DESIGN.md records: kind ``control``)."""
+        return {"t": self.t, "accepted": True, "change": self.change, "source_of_change": "autopilot",
+                "reason": self.reason}
+
+
+def ladder(lo: int, hi: int) -> list[int]:
+    """Buffer sizes the autopilot weighs: every size up to 6, then about 20% apart, lo..hi inclusive."""
+    sizes: list[int] = []
+    k = max(1, lo)
+    while k < hi:
+        sizes.append(k)
+        k = k + 1 if k < 6 else max(k + 1, round(k * 1.2))
+    sizes.append(max(hi, lo))
+    return sizes
+
+
+class ShadowBuffer:
+    """A buffer of ``size`` items fed the queue's real arrivals, taking one item per arrival with the
+    run's policy once it holds ``size``: the order the queue would take in at that size.
+
+    Why: the window-to-window spread of the mix is large (std ~0.25 of the efficiency at W = 32 on
+    the H200 example), and most of it comes from the arrival order, so the measured mix of the one
+    size in use cannot say which smaller size would still do. All shadows see the same arrivals, so
+    their differences are the size's, not the noise's. Pure counts: no items, no bytes, no clock.
+    """
+
+    __slots__ = ("counts", "depth", "efficiencies", "expected_h", "heads", "open", "open_n", "policy", "rng",
+                 "seq", "size", "window")
+
+    def __init__(self, size: int, policy_name: str, mix: Sequence[float], window: int, horizon: int,
+                 expected_h: float, seed: int) -> None:
+        self.size = size
+        self.policy = make_policy(policy_name, len(mix), mix)
+        self.rng = random.Random(seed)
+        self.counts = [0] * len(mix)
+        self.heads: list[deque[int]] = [deque() for _ in mix]
+        self.depth = self.seq = 0
+        self.window, self.expected_h = window, expected_h
+        self.open = [0] * len(mix)
+        self.open_n = 0
+        self.efficiencies: deque[float] = deque(maxlen=horizon)
+
+    def arrive(self, bucket: int) -> None:
+        self.counts[bucket] += 1
+        self.heads[bucket].append(self.seq)
+        self.seq += 1
+        self.depth += 1
+        if self.depth < self.size:
+            return
+        policy = self.policy
+        heads = [q[0] if q else NO_HEAD for q in self.heads] if policy.needs_heads else ()
+        b = policy.choose(self.counts, heads, self.depth, self.rng)
+        self.counts[b] -= 1
+        self.heads[b].popleft()
+        self.depth -= 1
+        if policy.stateful:
+            policy.on_take(b, 1)
+        self.open[b] += 1
+        self.open_n += 1
+        if self.open_n == self.window:
+            self.efficiencies.append(entropy(self.open) / self.expected_h)
+            self.open = [0] * len(self.open)
+            self.open_n = 0
+
+    def interval(self, z: float) -> tuple[float, float]:
+        """(mean, lower end) of this size's rolling mix_efficiency."""
+        return _interval(self.efficiencies, z)
+
+
+def _interval(values: Sequence[float], z: float) -> tuple[float, float]:
+    effs = [e for e in values if math.isfinite(e)]
+    n = len(effs)
+    if n < 2:
+        return math.nan, math.nan
+    mean = sum(effs) / n
+    se = math.sqrt(sum((e - mean) ** 2 for e in effs) / (n - 1) / n)
+    return mean, mean - z * se
+
+
+class Autopilot:
+    """Feed it puts and takes in order; ask :meth:`decide` between takes.
+
+    ``mix`` is the item mix p (for the expected window entropy), ``window`` the metrics window W,
+    ``n_target``/``n_drafter`` the workers (for time shares), ``memory_bytes`` an optional byte
+    budget for queued hidden states (with ``max_bytes``, the tighter one holds), ``seed`` seeds the
+    shadow buffers' policy draws.
+    """
+
+    def __init__(self, config: QueueConfig, mix: Sequence[float], *, window: int = 32, n_target: int = 1,
+                 n_drafter: int = 1, memory_bytes: int | None = None, seed: int = 0,
+                 horizon_windows: int = HORIZON_WINDOWS, period_windows: int = PERIOD_WINDOWS,
+                 replicas: int = REPLICAS, step_up: float = STEP_UP, step_down: float = STEP_DOWN,
+                 z: float = Z, margin: float = MARGIN, max_loss: float = MAX_LOSS,
+                 first_windows: int = FIRST_WINDOWS, dead_band: float = DEAD_BAND, smooth: float = SMOOTH,
+                 plateau: float = PLATEAU) -> None:
+        if window < 2 or horizon_windows < 2 or period_windows < 1 or replicas < 1:
+            raise ValueError("window and horizon_windows must be >= 2, period_windows and replicas >= 1")
+        if not 0 < step_down <= step_up:
+            raise ValueError("need 0 < step_down <= step_up")
+        self.target = config.target_mix_efficiency
+        self.limit_depth = config.depth_limit
+        self.floor_ready = config.auto_min_ready
+        self.ratio = config.max_depth / config.min_ready  # max_depth follows min_ready at this ratio
+        self.config = dataclasses.replace(config, auto_max_depth=self.limit_depth)
+        self.mix = list(mix)
+        self.window = window
+        self.expected_h = expected_window_entropy(self.mix, window)
+        self.n_target, self.n_drafter = n_target, n_drafter
+        byte_caps = [b for b in (config.max_bytes, memory_bytes) if b is not None]
+        self.byte_limit = min(byte_caps) if byte_caps else None
+        self.horizon, self.period, self.first_windows = horizon_windows, period_windows, first_windows
+        self.dead_band, self.smooth, self.plateau = dead_band, smooth, plateau
+        self.smoothed: float | None = None  # log of the size needed, smoothed over decisions
+        self.step_up, self.step_down, self.z, self.margin, self.max_loss = step_up, step_down, z, margin, max_loss
+        self.sizes = ladder(self.floor_ready, self.limit_depth)
+        rng = random.Random(seed)
+        self.shadows = [[ShadowBuffer(size, config.policy, self.mix, window, horizon_windows, self.expected_h,
+                                      rng.getrandbits(32)) for _ in range(replicas)] for size in self.sizes]
+        # the queue's own mix, measured: windows of its takes
+        self.efficiencies: deque[float] = deque(maxlen=horizon_windows)
+        self.open_window = [0] * len(self.mix)
+        self.open_items = 0
+        self.windows_since = 0  # closed windows since the last decision look
+        self.t_period: float | None = None  # start of the current period
+        self.gate_wait = 0.0  # drafter-seconds waiting at the gate in the period
+        self.blocked = 0.0  # producer-seconds blocked at the cap in the period
+        self.puts = [0] * len(self.mix)  # items put per bucket in the period
+        self.put_bytes = self.put_items = 0  # for the mean item size (byte limits), whole run
+        self.decisions = 0
+
+    # ------------------------------------------------------------------ observations
+    def observe_put(self, t: float, bucket: int, nbytes: int, blocked_s: float = 0.0) -> None:
+        """An item entered the queue at ``t``; its producer was blocked at the cap for ``blocked_s``."""
+        if self.t_period is None:
+            self.t_period = t
+        self.puts[bucket] += 1
+        self.put_bytes += nbytes
+        self.put_items += 1
+        self.blocked += blocked_s
+        for replicas in self.shadows:
+            for shadow in replicas:
+                shadow.arrive(bucket)
+
+    def observe_take(self, t: float, bucket: int, n_items: int, wait_s: float) -> None:
+        """A take of ``n_items`` from ``bucket`` at ``t`` by a drafter that waited ``wait_s`` at the gate."""
+        if self.t_period is None:
+            self.t_period = t
+        self.gate_wait += wait_s
+        self.open_window[bucket] += n_items
+        self.open_items += n_items
+        while self.open_items >= self.window:  # items of one take beyond the window start the next
+            over = self.open_items - self.window
+            self.open_window[bucket] -= over
+            self.efficiencies.append(entropy(self.open_window) / self.expected_h)
+            self.windows_since += 1
+            self.open_window = [0] * len(self.mix)
+            self.open_window[bucket] = over
+            self.open_items = over
+
+    # ------------------------------------------------------------------ the decision
+    def interval(self) -> tuple[float, float, float]:
+        """(mean, lower, upper) of the queue's own rolling mix_efficiency: mean +/- one standard error
+        (as the run's metric states it). Reported with each decision; the decision itself reads the
+        shadows, whose sizes differ (:meth:`size_needed`)."""
+        mean, lower = _interval(self.efficiencies, 1.0)
+        return mean, lower, 2 * mean - lower
+
+    def size_needed(self, hi: int) -> tuple[int, list[tuple[int, float, float]]]:
+        """The smallest size up to ``hi`` whose shadows' rolling lower end meets target + margin
+        (interpolated between ladder sizes; if none does, the smallest within ``PLATEAU`` of the best
+        mix), and each size's (size, mean, lower end).
+
+        The shadows mix a little worse than the real queue at the same size (during a drafter step
+        it holds a few more items: 0.952 against 0.954, 0.976 against 0.997 on seeds 0 and 1 of the
+        target-bound example at size 24 against 25/75): a margin on the safe side, kept.
+        """
+        table = []
+        for size, replicas in zip(self.sizes, self.shadows, strict=True):
+            if size > hi:
+                break
+            mean, lower = _interval([e for sh in replicas for e in sh.efficiencies], self.z)
+            table.append((size, mean, lower))
+        goal = self.target + self.margin
+        chosen: float | None = None
+        for i, (k, _, lo) in enumerate(table):
+            if lo >= goal:  # interpolated between this size and the one below, where the lower end crosses
+                chosen = float(k)
+                if i and table[i - 1][2] < goal:
+                    k0, lo0 = table[i - 1][0], table[i - 1][2]
+                    chosen = k0 + (k - k0) * (goal - lo0) / (lo - lo0)
+                break
+        if table:  # more than the smallest size within PLATEAU of the best mix buys little
+            best = max(m for _, m, _ in table)
+            shoulder = float(next(k for k, m, _ in table if m >= best - self.plateau))
+            chosen = shoulder if chosen is None else min(chosen, shoulder)
+        return (math.ceil(chosen) if chosen is not None else hi), table
+
+    def decide(self, t: float, state: QueueState) -> Decision | None:
+        """Between takes: a new config and its reason, or None (nothing to change, or too soon)."""
+        if self.windows_since < self.period:
+            return None
+        ready = len(self.shadows[-1][0].efficiencies) >= min(self.horizon, self.first_windows)
+        t0 = self.t_period if self.t_period is not None else t
+        span = t - t0
+        if span <= 0 or not ready:
+            return None
+        gate_frac = self.gate_wait / (self.n_drafter * span)
+        blocked_frac = self.blocked / (self.n_target * span)
+        rates = [n / span for n in self.puts]
+        cfg = self.config
+        target_bound = gate_frac > blocked_frac
+        knob_name = "min_ready" if target_bound else "max_depth"
+        knob = cfg.min_ready if target_bound else cfg.max_depth
+        loss = blocked_frac if target_bound else gate_frac
+        hi = self._knob_limit()
+        raw, table = self.size_needed(hi)
+        # smoothed in log space over decisions: near the mix's plateau the crossing moves a lot for a
+        # small change of level (78 to 120 for +/-0.01 on a steady test input)
+        prev = self.smoothed
+        self.smoothed = math.log(raw) if prev is None else (1 - self.smooth) * prev + self.smooth * math.log(raw)
+        needed = min(hi, max(self.floor_ready, round(math.exp(self.smoothed))))
+        band = max(1, round(knob * self.dead_band))
+        up = min(hi, max(knob + 1, math.ceil(knob * (1 + self.step_up))))
+        down = max(self.floor_ready, min(knob - 1, math.floor(knob * (1 - self.step_down))))
+        if not target_bound and loss > self.max_loss:
+            new_knob, rule = up, f"raise: drafters wait {loss:.1%} at the gate > {self.max_loss:.0%}"
+        elif needed > knob:
+            new_knob = min(needed, up)
+            rule = f"raise: size {needed} is the smallest that mixes >= {self.target + self.margin:.3f}"
+        elif needed <= knob - band and (target_bound or loss <= self.max_loss):
+            new_knob = max(needed, down)
+            rule = f"lower: size {needed} mixes >= {self.target + self.margin:.3f}"
+        else:
+            new_knob, rule = knob, "hold"
+        min_ready, max_depth = self._pair(target_bound, new_knob, blocked_frac)
+        self._new_period(t)
+        change = {k: v for k, v in (("min_ready", min_ready), ("max_depth", max_depth)) if v != getattr(cfg, k)}
+        if not change:
+            return None
+        mean, lower, upper = self.interval()
+        reason = {
+            "mix_efficiency": mean, "interval": [lower, upper], "windows": len(self.efficiencies),
+            "target": self.target, "bound": "target" if target_bound else "drafter", "knob": knob_name,
+            "size_needed": needed, "size_needed_now": raw,
+            "sizes": [[k, m, lo] for k, m, lo in table if k <= max(needed, knob) * 2],
+            "arrival_items_per_s": rates, "drafter_gate_wait_frac": gate_frac, "producer_blocked_frac": blocked_frac,
+            "depth": state.depth, "queued_bytes": state.queued_bytes, "rule": rule,
+            "min_ready_binds": target_bound,
+            "from": {"min_ready": cfg.min_ready, "max_depth": cfg.max_depth},
+        }
+        self.config = dataclasses.replace(cfg, min_ready=min_ready, max_depth=max_depth)
+        self.decisions += 1
+        return Decision(t, self.config, change, reason)
+
+    def _rung_below(self, knob: int) -> int:
+        """The largest ladder size below ``knob``: lowering needs a whole rung of room (no dithering)."""
+        below = [k for k in self.sizes if k < knob]
+        return below[-1] if below else self.floor_ready
+
+    def _knob_limit(self) -> int:
+        """The largest value of the knob within auto_max_depth and the byte limits."""
+        hi = self.limit_depth
+        if self.byte_limit is not None and self.put_items:
+            per_item = self.put_bytes / self.put_items
+            hi = min(hi, max(1, int(self.byte_limit // max(per_item, 1.0))))
+        return max(hi, self.floor_ready)
+
+    def _pair(self, target_bound: bool, knob: int, blocked_frac: float) -> tuple[int, int]:
+        """The (min_ready, max_depth) pair for the knob's new value."""
+        cfg = self.config
+        if target_bound:
+            min_ready = knob
+            max_depth = max(min_ready, min(self.limit_depth, math.ceil(min_ready * self.ratio)))
+            if blocked_frac > self.max_loss:  # producers lose time at the cap: open the gap
+                max_depth = max(max_depth, min(self.limit_depth, math.ceil(cfg.max_depth * (1 + self.step_up))))
+            return min_ready, max_depth
+        max_depth = max(1, knob)
+        return min(cfg.min_ready, max_depth), max_depth
+
+    def _new_period(self, t: float) -> None:
+        self.windows_since = 0
+        self.t_period = t
+        self.gate_wait = self.blocked = 0.0
+        self.puts = [0] * len(self.mix)
