@@ -34,7 +34,7 @@ ROUNDING_NOTE = (
     "significant digits. n/a: not in the inputs."
 )
 
-# DESIGN.md's metric names, in the order tables list them.
+# The metric names of docs/ARCHITECTURE.md ("Metrics"), in the order tables list them.
 METRICS = (
     "throughput_tokens_per_s", "samples_per_s", "mix_efficiency", "mix_entropy", "mix_kl", "length_autocorr",
     "max_bucket_streak", "drafter_utilization", "target_utilization", "drafter_gate_wait_frac",

@@ -1,10 +1,10 @@
 """Sections from runs and validations: queue over time, loss curves, simulated vs measured, calibration.
 
-Which runs go side by side: a validation's configs in DESIGN.md's order (``baseline``,
-``handpicked``, then the chosen one and any others), each with its simulated records (``sim_dir``)
-and its real run (``run_dir``). Standalone run directories join by name (a run whose queue is 10/30
-or 30/90 with the default policy is ``baseline``/``handpicked``, others keep their directory name)
-and by ``source`` (sim or real).
+Which runs go side by side: a validation's configs, the reference configs first (``baseline``,
+``handpicked``: docs/ARCHITECTURE.md, "Two named reference configs"; then the chosen one and any
+others), each with its simulated records (``sim_dir``) and its real run (``run_dir``). Standalone
+run directories join by name (a run whose queue is 10/30 or 30/90 with the default policy is
+``baseline``/``handpicked``, others keep their directory name) and by ``source`` (sim or real).
 """
 
 from __future__ import annotations

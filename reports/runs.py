@@ -1,13 +1,15 @@
 """One run's records (real or simulated) as the report needs them: queue depth, bucket mix, losses.
 
-Both sources share DESIGN.md's record schema, so one loader serves ``dflash train --out`` directories
-and ``dflash simulate --records`` directories alike; ``source`` in the records says which.
+Both sources share one record schema (docs/ARCHITECTURE.md, "Records"), so one loader serves
+``dflash train --out`` directories and ``dflash simulate --records`` directories alike; ``source``
+in the records says which.
 
 Queue depth over time is read from the take records' ``bucket_depths`` (the per-bucket depth the
 queue itself saw just before each take) rather than rebuilt from produce/take arithmetic: it is the
 queue's own view at that instant, so the curve cannot drift from what the queue did (resumes,
-discards at stop and blocked producers need no special cases). The rolling bucket mix uses
-DESIGN.md's windows: consecutive, non-overlapping windows of W taken items in global take order.
+discards at stop and blocked producers need no special cases). The rolling bucket mix uses the
+windows of docs/ARCHITECTURE.md ("Metrics"): consecutive, non-overlapping windows of W taken items
+in global take order.
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ def test_packaged_file_is_truncated_and_parses() -> None:
     elapsed = time.perf_counter() - t0
     check_invariant(stats)
     assert stats.broken == 1  # the record cut off at the end of the file
-    assert stats.records - stats.broken == 17_671  # whole conversations (REFERENCE.md)
+    assert stats.records - stats.broken == 17_671  # whole conversations (docs/REFERENCE.md)
     # 126 empty records and 17 more without any assistant turn
     assert stats.skipped == 143 and len(convs) == 17_528
     assert all(c.messages and c.messages[-1][0] == "assistant" for c in convs)
@@ -200,7 +200,7 @@ def test_packaged_first_exchange_share() -> None:
     check_invariant(stats)
     assert len(convs) == 11_137
     whole = stats.records - 1
-    # REFERENCE.md: 1,261 of 2,000 sampled conversations (63.05%) start with user then assistant
+    # docs/REFERENCE.md: 1,261 of 2,000 sampled conversations (63.05%) start with user then assistant
     assert abs(len(convs) / whole - 1261 / 2000) < 0.02
     assert all(len(c.messages) == 2 and c.messages[0][0] == "user" and c.messages[1][0] == "assistant"
                for c in convs)

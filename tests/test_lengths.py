@@ -193,7 +193,7 @@ def test_load_lengths_file(tmp_path: Path) -> None:
         LengthTable(ids=("a",), lengths=(1, 2), key="k")
 
 
-# --------------------------------------------------------------------------- against REFERENCE.md
+# --------------------------------------------------------------------------- against docs/REFERENCE.md
 def bucket_shares(lengths: list[int], max_len: int, bounds: tuple[int, ...]) -> list[float]:
     counts = [0] * len(bounds)
     for n in lengths:
@@ -229,7 +229,7 @@ def test_conversation_buckets_match_reference(full_tables: dict[str, LengthTable
         got = bucket_shares(lengths, 2048, bounds)
         print("conversation shares", [round(x, 1) for x in got], "reference", ref)
         assert all(abs(g - r) <= 2.5 for g, r in zip(got, ref)), got
-    # token percentiles p10/p50/p90/p99 of REFERENCE.md: 367 / 1828 / 2592 / 3487
+    # token percentiles p10/p50/p90/p99 of docs/REFERENCE.md: 367 / 1828 / 2592 / 3487
     for q, r in ((10, 367), (50, 1828), (90, 2592), (99, 3487)):
         assert abs(pct(everything, q) - r) <= 0.1 * r, (q, pct(everything, q))
 

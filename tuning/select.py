@@ -29,7 +29,7 @@ from dflash.core.named_configs import NAMED_CONFIGS
 from tuning.pareto import knee_scores, nondominated
 from tuning.study import feasible
 
-NAMED = NAMED_CONFIGS  # DESIGN.md's baseline and handpicked, defined once in dflash.core.named_configs
+NAMED = NAMED_CONFIGS  # baseline and handpicked (docs/ARCHITECTURE.md), defined once in dflash.core.named_configs
 SPLIT_KEYS = ("n_target", "n_drafter")  # trial user attributes and selection-entry keys of the split
 
 

