@@ -46,7 +46,8 @@ class Case:
 
 def build_case(*, hidden: int = 64, layers: int = 1, heads: int = 2, kv_heads: int | None = None,
                intermediate: int | None = None, vocab: int = 151_936, seq_len: int = 3072, seqs: int = 1,
-               anchors: int = 512, block: int = 16, chunk: int = 512, capture: int = 5) -> Case:
+               anchors: int = 512, block: int = 16, chunk: int = 512, capture: int = 5,
+               checkpoint: bool = False) -> Case:
     """A float32 drafter (random weights, the target's tables untied) and one item whose every
     position after the first 16 is a response token, so each sequence gets its full ``anchors``."""
     import torch
@@ -68,7 +69,7 @@ def build_case(*, hidden: int = 64, layers: int = 1, heads: int = 2, kv_heads: i
     target.requires_grad_(False)
     spec = DrafterSpec.from_target_config(cfg, target_layer_ids=tuple(range(capture)), mask_token_id=3,
                                           drafter=DrafterConfig(layers=layers, block_size=block, anchors=anchors,
-                                                                loss_chunk_rows=chunk))
+                                                                loss_chunk_rows=chunk, checkpoint_layers=checkpoint))
     drafter = DFlashDrafter.from_target(target, spec, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(4, vocab, (seqs, seq_len), generator=g)
@@ -127,6 +128,9 @@ def _rss() -> int:
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """Runs in a fresh process: the peak above the built model of one loss step (or a training step)."""
     import torch
+    import transformers.models.llama.modeling_llama  # noqa: F401  (imported before the baseline)
+
+    import dflash.model.drafter  # noqa: F401
 
     torch.set_num_threads(args.threads)
     kw = json.loads(args.case)
@@ -172,7 +176,7 @@ def model_prediction(case: dict[str, Any], params: int) -> dict[str, float]:
                      "bucket_bounds": [case["seq_len"]]},
         "target": {"capture_layers": case.get("capture", 5)},
         "drafter": {"layers": case["layers"], "block_size": case["block"], "anchors": case["anchors"],
-                    "loss_chunk_rows": case.get("chunk", 512)},
+                    "loss_chunk_rows": case.get("chunk", 512), "checkpoint_layers": case.get("checkpoint", False)},
         "timing": {"hidden_size": case["hidden"], "dtype_bytes": 4},
         "memory": {"drafter_params": float(params), "vocab_size": case["vocab"], "weight_bytes": 4,
                    "optimizer_bytes_per_param": 8, "logits_bytes": 4, "activation_bytes": 4,
@@ -195,17 +199,18 @@ def main() -> None:
         args.mode = args.child
         print(json.dumps(child(args)))
         return
-    if args.model_check:
-        got = measure("train", MODEL_CASE, args.threads)
-        parts = model_prediction(MODEL_CASE, got["params"])
+    for case in [MODEL_CASE, {**MODEL_CASE, "checkpoint": True}] if args.model_check else []:
+        got = measure("train", case, args.threads)
+        parts = model_prediction(case, got["params"])
         total = sum(parts.values())
-        print(f"case {MODEL_CASE}")
+        print(f"case {case}")
         for name, b in parts.items():
             print(f"  model: {name:28s} {b / 2**20:9.1f} MiB")
         measured = got["peak_above_start"]
         print(f"model total {total / 2**20:.1f} MiB; measured peak above the start {measured / 2**20:.1f} MiB"
               f" (model built {got['model_bytes'] / 2**20:.1f} MiB); model / measured "
               f"{total / measured:.3f}")
+    if args.model_check:
         return
     case = {**ISSUE_CASE, "chunk": args.chunk}
     print(f"case {case}; peak resident bytes above the built model, one loss forward + backward, "

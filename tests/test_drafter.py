@@ -406,3 +406,23 @@ def test_draft_layers_are_qwen3_style_for_a_llama_target():
     for i in range(2):
         assert {f"layers.{i}.self_attn.q_norm.weight", f"layers.{i}.self_attn.k_norm.weight"} <= names
     assert not any(n.endswith(".bias") for n in names)
+
+
+def test_checkpointed_layers_give_the_same_loss_and_gradients():
+    """``[drafter] checkpoint_layers`` recomputes each draft layer in the backward: memory, not math."""
+    target, plain = make(layers=2)
+    ids, am, lm, ctx = rand_batch(target, [30, 24])
+    spec = DrafterSpec(**{**plain.spec.__dict__, "checkpoint_layers": True})
+    ck = DFlashDrafter.from_target(target, spec, dtype=torch.float64)
+    ck.load_state_dict(plain.state_dict())
+    losses, grads = [], []
+    for d in (plain, ck):
+        out = d.loss(ctx, ids, lm, am, generator=torch.Generator().manual_seed(2))
+        out.loss_sum.backward()
+        losses.append(float(out.loss_sum.detach()))
+        grads.append([p.grad.clone() for p in d.trainable_parameters()])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-12)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert DrafterSpec.from_target_config(target.config, target_layer_ids=LAYER_IDS, mask_token_id=MASK_ID,
+                                          drafter=DrafterConfig(checkpoint_layers=True)).checkpoint_layers

@@ -275,9 +275,14 @@ class DrafterConfig:
     # LM-head rows per chunk of the loss: the loss holds [chunk, vocab] logits at a time instead of
     # [rows, vocab] (dflash.model.chunked_ce); it bounds memory and leaves the result unchanged.
     loss_chunk_rows: int = 512
+    # Recompute each draft layer's forward in the backward (torch.utils.checkpoint): an item keeps one
+    # layer's activations instead of every layer's, for about one more forward of the draft layers.
+    checkpoint_layers: bool = False
 
     def __post_init__(self) -> None:
         check_int("drafter.layers", self.layers, 1)
+        if not isinstance(self.checkpoint_layers, bool):
+            raise ConfigError("drafter.checkpoint_layers", "must be true or false", self.checkpoint_layers)
         check_int("drafter.block_size", self.block_size, 2)
         check_int("drafter.anchors", self.anchors, 1)
         check_int("drafter.loss_chunk_rows", self.loss_chunk_rows, 1)
@@ -492,28 +497,43 @@ class MemoryConfig:
     Hidden states are always counted (their size follows from the workload, target and timing
     sections). The rest is counted only when its size is given here, so nothing is guessed: target
     weights (``target_params``), the drafter's weights, gradients and optimizer state
-    (``drafter_params``: trainable parameters of the draft layers and fusion projection) and the
-    loss's logits per micro-batch (``vocab_size``). ``logits_bytes`` is what one row x vocabulary
-    value costs at the loss's peak: the head's output in the weight dtype plus its float32 copy,
-    the log-softmax output and its gradient (2 + 3 x 4 = 14 for bf16 weights).
+    (``drafter_params``: trainable parameters of the draft layers and fusion projection), the frozen
+    embedding/head and the loss's logits chunk (``vocab_size``), and the draft layers' saved
+    activations (``intermediate_size``: the target's MLP width, which the draft layers copy).
+
+    ``logits_bytes`` is what one row x vocabulary value of the loss's chunk costs at its peak: the
+    head's output in the weight dtype, its float32 copy (overwritten in place by the softmax and its
+    gradient) and the gradient's cast back for the head's matmul (2 + 4 + 2 = 8 for a bf16 head; 4
+    for a float32 one, where neither cast copies). ``activation_bytes`` is the bytes per saved
+    activation value: 4 in float32 (the CPU; measured there, benchmarks/loss_memory.py
+    --model-check); under CUDA's bf16 autocast the residual stream and the norms stay float32 and
+    each projection input gets a bf16 copy, about 4 on average as well (not measured on a GPU).
+    ``attention_width`` (heads x head_dim) defaults to the hidden size, ``kv_width`` (key/value
+    heads x head_dim) to ``attention_width`` (no grouped-query attention: the larger count).
     """
 
     target_params: float | None = None
     drafter_params: float | None = None
     vocab_size: int | None = None
+    intermediate_size: int | None = None
+    attention_width: int | None = None
+    kv_width: int | None = None
     weight_bytes: int = 2
     optimizer_bytes_per_param: int = 12  # AdamW: float32 master copy, m and v
-    logits_bytes: int = 14
+    logits_bytes: int = 8
+    activation_bytes: int = 4
 
     def __post_init__(self) -> None:
         for key in ("target_params", "drafter_params"):
             if getattr(self, key) is not None:
                 check_float(f"memory.{key}", getattr(self, key), 0.0, lo_open=True)
-        if self.vocab_size is not None:
-            check_int("memory.vocab_size", self.vocab_size, 1)
+        for key in ("vocab_size", "intermediate_size", "attention_width", "kv_width"):
+            if getattr(self, key) is not None:
+                check_int(f"memory.{key}", getattr(self, key), 1)
         check_int("memory.weight_bytes", self.weight_bytes, 1)
         check_int("memory.optimizer_bytes_per_param", self.optimizer_bytes_per_param, 0)
         check_int("memory.logits_bytes", self.logits_bytes, 1)
+        check_int("memory.activation_bytes", self.activation_bytes, 1)
 
 
 @dataclass(frozen=True)

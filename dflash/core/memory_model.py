@@ -10,9 +10,12 @@ drafter takes them (DESIGN.md, distributed pipeline). So a device's bytes are
   computed and holds at the cap. Hidden states are counted on one GPU of the worker (the capture
   output is not sharded), so that is the fullest GPU.
 - **drafter device**: the drafter's weights, gradients and optimizer state, a frozen copy of the
-  target's embedding and LM head, the hidden states of one take, and the logits of one micro-batch
-  (one item: the trainer runs forward and backward item by item), rows x vocabulary x
-  ``memory.logits_bytes``.
+  target's embedding and LM head, the hidden states of one take, and what one micro-batch (one
+  item: the trainer runs forward and backward item by item) allocates for its backward:
+  - the **logits chunk** of the loss: at most ``drafter.loss_chunk_rows`` rows x vocabulary x
+    ``memory.logits_bytes`` (the loss never holds more: :mod:`dflash.model.chunked_ce`);
+  - the **draft layers' saved activations** for anchors x block query positions and the
+    ``[context ; blocks]`` key/value positions, plus the attention mask (:func:`activation_bytes`).
 
 A static check (no simulation) assumes the queue's items spread evenly over producers and that an
 item is as large as the workload allows (``max_len`` per sequence); the simulator passes the peaks
@@ -61,17 +64,71 @@ def max_item_bytes(cfg: DflashConfig) -> int:
     return tokens * bytes_per_token(cfg)
 
 
-def logit_rows(cfg: DflashConfig) -> int:
-    """Rows through the LM head in one micro-batch (one item): anchors x (block size - 1) slots.
-
-    With ``seqs_per_item``: each sequence has at most min(anchors, max_len - B + 1) anchors. With
-    ``tokens_per_item`` the sequence count varies, and an item cannot have more anchors than tokens.
-    """
+def item_shape(cfg: DflashConfig) -> tuple[int, int, int]:
+    """The largest micro-batch the workload allows: ``(sequences, tokens per sequence, anchors per
+    sequence)``. With ``seqs_per_item``, every sequence at ``max_len``; with ``tokens_per_item``,
+    the fewest and longest sequences that fill it. A sequence has at most
+    min(anchors, length - B + 1) anchors (a block must fit inside it)."""
     w, d = cfg.workload, cfg.drafter
-    per_seq = min(d.anchors, max(0, w.max_len - d.block_size + 1))
-    anchors = w.seqs_per_item * per_seq if w.seqs_per_item is not None else w.tokens_per_item
-    assert anchors is not None
-    return anchors * (d.block_size - 1)
+    if w.seqs_per_item is not None:
+        seqs, length = w.seqs_per_item, w.max_len
+    else:
+        assert w.tokens_per_item is not None
+        seqs, length = math.ceil(w.tokens_per_item / w.max_len), min(w.max_len, w.tokens_per_item)
+    return seqs, length, min(d.anchors, max(0, length - d.block_size + 1))
+
+
+def logit_rows(cfg: DflashConfig) -> int:
+    """Rows through the LM head in one micro-batch (one item): anchors x (block size - 1) slots."""
+    seqs, _, anchors = item_shape(cfg)
+    return seqs * anchors * (cfg.drafter.block_size - 1)
+
+
+def logits_chunk_bytes(cfg: DflashConfig) -> float:
+    """The loss's peak: one chunk of at most ``loss_chunk_rows`` rows x vocabulary x ``logits_bytes``."""
+    m = cfg.memory
+    assert m.vocab_size is not None
+    return float(min(cfg.drafter.loss_chunk_rows, logit_rows(cfg)) * m.vocab_size * m.logits_bytes)
+
+
+def activation_bytes(cfg: DflashConfig) -> float:
+    """What one item's forward keeps for its backward in the draft layers (DESIGN.md: the memory
+    model counts what the implementation allocates; counted from ``dflash/model/drafter.py``).
+
+    With ``Q`` query positions (sequences x anchors x B), ``N`` key/value positions (sequences x
+    (S + anchors x B): the context and every block), hidden ``d``, attention width ``H``, key/value
+    width ``KV`` and MLP width ``I``, each draft layer keeps, in values of ``activation_bytes``:
+
+    - per query position ``6d + 7H + 4I``: the residual input, the two RMSNorms (their normalised
+      input and output: 2 x 2d), the residual after attention; q, its q-norm (2), its RoPE rotation
+      and result, the attention output and its reshaped copy for ``o_proj``; the MLP's gate, up,
+      SiLU(gate) and their product;
+    - per key/value position ``d + 6KV`` (+ ``2H`` when grouped-query attention repeats k and v):
+      ``[context ; blocks]`` concatenated, k, its k-norm (2), RoPE rotation and result, v;
+    - the attention mask as the attention's additive bias: sequences x (anchors B) x (S + anchors B).
+
+    With ``drafter.checkpoint_layers`` a layer keeps only its input (``d`` per query position) and
+    one layer's activations exist at a time, while the backward recomputes it.
+
+    Once per item: the embedded blocks and the final norm (``4d`` per query position), the fused
+    context (``3d`` per context position: ``fc``'s output and its RMSNorm's two), the boolean mask
+    (1 byte per entry), the loss's counted rows and their gradient (``2d`` per row).
+    """
+    m = cfg.memory
+    assert m.intermediate_size is not None
+    seqs, length, anchors = item_shape(cfg)
+    bs, layers, d = cfg.drafter.block_size, cfg.drafter.layers, cfg.timing.hidden_size
+    h = m.attention_width or d
+    kv = m.kv_width or h
+    q = seqs * anchors * bs
+    n = seqs * (length + anchors * bs)
+    mask = seqs * anchors * bs * (length + anchors * bs)
+    per_layer = q * (6 * d + 7 * h + 4 * m.intermediate_size) + n * (d + 6 * kv + (2 * h if kv < h else 0)) + mask
+    once = q * 4 * d + seqs * length * 3 * d + logit_rows(cfg) * 2 * d
+    # checkpoint_layers: each layer keeps only its input; one layer's activations exist at a time
+    # (the one being recomputed in the backward)
+    layers_part = layers * q * d + per_layer if cfg.drafter.checkpoint_layers else layers * per_layer
+    return float((layers_part + once) * m.activation_bytes + mask)
 
 
 def producer_hidden_bytes(cfg: DflashConfig, n_target: int | None = None) -> float:
@@ -111,9 +168,13 @@ def drafter_device(cfg: DflashConfig, hidden_bytes: float | None = None) -> Devi
     parts.append(("hidden states", float(held)))
     if m.vocab_size is not None:
         parts.append(("frozen embedding and head", 2 * m.vocab_size * cfg.timing.hidden_size * m.weight_bytes))
-        parts.append(("logits", float(logit_rows(cfg) * m.vocab_size * m.logits_bytes)))
+        parts.append(("logits chunk", logits_chunk_bytes(cfg)))
     else:
         missing.append("frozen embedding/head and logits (memory.vocab_size)")
+    if m.intermediate_size is not None:
+        parts.append(("activations", activation_bytes(cfg)))
+    else:
+        missing.append("draft-layer activations (memory.intermediate_size)")
     return DeviceMemory(DRAFTER, tuple(parts), tuple(missing))
 
 

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from dflash.core.config import DrafterConfig, default_gamma
@@ -108,6 +109,7 @@ class DrafterSpec:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     loss_chunk_rows: int = DEFAULT_CHUNK_ROWS  # LM-head rows per chunk of the loss (memory, not the result)
+    checkpoint_layers: bool = False  # recompute each draft layer in the backward (memory, not the result)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -128,6 +130,8 @@ class DrafterSpec:
             raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of a {self.vocab_size}-row table")
         if not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if not isinstance(self.checkpoint_layers, bool):
+            raise ValueError(f"checkpoint_layers must be true or false, got {self.checkpoint_layers!r}")
 
     @property
     def num_context_layers(self) -> int:
@@ -160,7 +164,7 @@ class DrafterSpec:
             vocab_size=int(config.vocab_size), target_layer_ids=tuple(target_layer_ids),
             mask_token_id=int(mask_token_id), layers=d.layers, block_size=d.block_size, anchors=d.anchors,
             gamma=float(d.gamma if d.gamma is not None else default_gamma(d.block_size)),
-            loss_chunk_rows=d.loss_chunk_rows,
+            loss_chunk_rows=d.loss_chunk_rows, checkpoint_layers=d.checkpoint_layers,
             rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)), rope_theta=float(theta))
         kw.update(overrides)
         return cls(**kw)
@@ -492,8 +496,12 @@ class DFlashDrafter(nn.Module):
         rope_q, rope_k = self._cos_sin(q_pos), self._cos_sin(k_pos)
         mask = block_attention_mask(anchors, s, bs, context_valid)
         ctx = self.fuse(context_states)
+        recompute = self.spec.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, mask)
+            if recompute:  # keep only the layer's input; its activations are rebuilt in the backward
+                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_q, rope_k, mask, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_q, rope_k, mask)
         return self.norm(x).view(b, a, bs, -1)
 
     def block_logits(self, context_states: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
