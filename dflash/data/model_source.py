@@ -99,12 +99,6 @@ def _path_shaped(model: str) -> bool:
     return model.lower().endswith(".gguf") or model.startswith(("/", "~", ".")) or not _HUB_ID.match(model)
 
 
-def resolve_model(model: str) -> tuple[Path | None, Path]:
-    """``target.model`` -> (the GGUF file if it names one, the path form of the string); see :func:`find_model`."""
-    src = find_model(model)
-    return src.gguf, Path(model).expanduser()
-
-
 def check_model_dir(p: Path, model: str) -> None:
     """A local checkpoint directory the loader can use: a ``config.json`` and at least one weights
     file. Anything else is one line naming ``target.model``, before transformers sees it."""
