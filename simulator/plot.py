@@ -21,7 +21,8 @@ def plot_queue(series: Mapping[str, Sequence[Any]], bounds: Sequence[int], out: 
     """Top: stacked per-bucket depth seen at takes, total on top. Bottom: bucket mix of windows.
 
     ``series["depth"]``: (t, depth before the take, bucket depths) samples; ``series["windows"]``:
-    bucket counts of sampled windows of ``window`` taken items, in take order.
+    bucket counts of sampled windows of ``window`` taken items, in take order; ``series["knobs"]``
+    (with ``[queue] mode = "auto"``): (t, min_ready, max_depth) at each autopilot change, drawn on top.
     """
     import matplotlib
 
@@ -37,6 +38,12 @@ def plot_queue(series: Mapping[str, Sequence[Any]], bounds: Sequence[int], out: 
     if t:
         ax1.stackplot(t, per_bucket, labels=labels, step="post", alpha=0.85)
         ax1.plot(t, [row[1] for row in depth], color="black", lw=0.6, label="total")
+    knobs = list(series.get("knobs", ()))  # (t, min_ready, max_depth) at each autopilot change
+    if knobs:
+        kt = [row[0] for row in knobs]
+        ax1.step(kt, [row[1] for row in knobs], where="post", color="red", lw=1.2, label="min_ready (auto)")
+        ax1.step(kt, [row[2] for row in knobs], where="post", color="red", lw=1.2, ls="--",
+                 label="max_depth (auto)")
     ax1.set_xlabel("time (s)")
     ax1.set_ylabel("queue depth (items)")
     ax1.set_title(title or "queue depth at takes, stacked by length bucket")

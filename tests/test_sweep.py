@@ -186,6 +186,31 @@ def test_grid_prints_the_sensitivity_table_with_named_rows(tmp_path: Path, capsy
     assert "study: 10 complete trials" in out
 
 
+def test_grid_offers_the_autopilot_beside_the_static_pairs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--queue auto`` on a grid sweep adds an autopilot row (starting from the configured pair) to the
+    static pairs, which stay static; its trial runs the simulator with the autopilot on."""
+    cfg = write_cfg(tmp_path, n_target=1, per_token=8.1e-5, extra='grid_policies = ["random_item"]')
+    assert main(["sweep", "--config", str(cfg), "--grid", "--queue", "auto", "--out", str(tmp_path / "g")]) == 0
+    out = capsys.readouterr().out
+    assert "auto (autopilot)" in out and "study: 6 complete trials" in out
+    st = optuna.load_study(study_name="dflash", storage=open_storage(str(tmp_path / "g" / "study.journal")))
+    modes = {t.params["pair"]: t.user_attrs["queue_mode"] for t in st.get_trials(states=(TrialState.COMPLETE,))}
+    assert modes == {"10/30": "static", "20/60": "static", "25/75": "static", "30/90": "static",
+                     "40/120": "static", "auto": "auto"}
+    auto = next(t for t in st.get_trials(states=(TrialState.COMPLETE,)) if t.params["pair"] == "auto")
+    assert 0 < auto.user_attrs["mix_efficiency"] <= 1.2
+
+
+def test_a_search_space_may_choose_the_autopilot(tmp_path: Path) -> None:
+    cfg = write_cfg(tmp_path, n_target=1, per_token=8.1e-5,
+                    extra='sampler = "tpe"\nspace = { min_ready = { low = 5, high = 30 }, mode = ["static", "auto"] }')
+    sweep(cfg, tmp_path / "s", 6)
+    st = optuna.load_study(study_name="s", storage=open_storage(str(tmp_path / "s" / "study.journal")))
+    done = st.get_trials(states=(TrialState.COMPLETE,))
+    assert {t.params["mode"] for t in done} <= {"static", "auto"}
+    assert all(t.user_attrs["queue_mode"] == t.params["mode"] for t in done)
+
+
 def test_scalar_mode_keeps_throughput_above_the_fixed_reference(tmp_path: Path) -> None:
     cfg = write_cfg(tmp_path, n_target=1, per_token=8.1e-5, extra='mode = "scalar"\nsampler = "tpe"\n'
                     "min_throughput_frac = 0.98\nspace = { min_ready = { low = 1, high = 90 }, "

@@ -19,12 +19,13 @@ from typing import Any
 
 import optuna
 
-from dflash.core.config import GATES, POLICIES, ClusterConfig, QueueConfig
+from dflash.core.config import GATES, POLICIES, QUEUE_MODES, ClusterConfig, QueueConfig
 from dflash.core.errors import ConfigError
 
 INT_KNOBS = {"min_ready": 1, "max_depth": 1, "items_per_take": 1, "n_target": 1}  # knob -> smallest allowed
 QUEUE_KNOBS = frozenset(QueueConfig.__dataclass_fields__)
-CHOICE_KNOBS = {"policy": POLICIES, "gate": GATES}
+# mode = ["static", "auto"]: auto beside the static pairs (the trial's pair is then where the autopilot starts)
+CHOICE_KNOBS = {"policy": POLICIES, "gate": GATES, "mode": QUEUE_MODES}
 
 DEFAULT_SPACE: dict[str, Any] = {
     "min_ready": {"low": 1, "high": 120},
@@ -96,6 +97,9 @@ def effective_queue(base: QueueConfig, params: dict[str, Any]) -> QueueConfig:
     """The queue config a trial runs: base knobs, overridden by the trial's, min_ready clamped."""
     values = {**base.__dict__, **{k: v for k, v in params.items() if k in QUEUE_KNOBS}}
     values["min_ready"] = min(values["min_ready"], values["max_depth"])
+    values["auto_min_ready"] = min(values["auto_min_ready"], values["min_ready"])
+    if values["auto_max_depth"] is not None:
+        values["auto_max_depth"] = max(values["auto_max_depth"], values["max_depth"])
     return QueueConfig(**values)
 
 

@@ -78,8 +78,21 @@ class SweepArgs:
     calibration: str | None
 
 
+AUTO_PAIR = "auto"  # the grid's autopilot row (with --queue auto): it starts from the configured pair
+
+
 def _grid(cfg: DflashConfig) -> dict[str, list[Any]]:
-    return {"pair": [f"{a}/{b}" for a, b in cfg.sweep.grid_pairs], "policy": list(cfg.sweep.grid_policies)}
+    """The grid: the static pairs, and with ``[queue] mode = "auto"`` (``--queue auto``) an autopilot
+    row beside them, each under every grid policy."""
+    pairs = [f"{a}/{b}" for a, b in cfg.sweep.grid_pairs] + ([AUTO_PAIR] if cfg.queue.mode == "auto" else [])
+    return {"pair": pairs, "policy": list(cfg.sweep.grid_policies)}
+
+
+def _grid_params(pair: str, policy: str) -> dict[str, Any]:
+    if pair == AUTO_PAIR:
+        return {"mode": "auto", "policy": policy}
+    mr, md = (int(x) for x in pair.split("/"))
+    return {"min_ready": mr, "max_depth": md, "policy": policy, "mode": "static"}
 
 
 def _identity(cfg: DflashConfig, args: SweepArgs) -> dict[str, Any]:
@@ -139,8 +152,7 @@ def make_propose(cfg: DflashConfig, space: SearchSpace | None, grid: bool) -> Pr
         if grid:
             pair = trial.suggest_categorical("pair", _grid(cfg)["pair"])
             policy = trial.suggest_categorical("policy", _grid(cfg)["policy"])
-            mr, md = (int(x) for x in pair.split("/"))
-            params: dict[str, Any] = {"min_ready": mr, "max_depth": md, "policy": policy}
+            params: dict[str, Any] = _grid_params(pair, policy)
         else:
             assert space is not None
             params = space.sample(trial)
@@ -157,8 +169,9 @@ def distinct_configurations(cfg: DflashConfig, space: SearchSpace | None, grid: 
     ``effective_queue`` and the choice knobs multiply.
     """
     if grid:
-        return len({config_key(effective_queue(cfg.queue, {"min_ready": a, "max_depth": b, "policy": p}))
-                    for a, b in cfg.sweep.grid_pairs for p in cfg.sweep.grid_policies})
+        grid_space = _grid(cfg)
+        return len({config_key(effective_queue(cfg.queue, _grid_params(pair, p)))
+                    for pair in grid_space["pair"] for p in grid_space["policy"]})
     assert space is not None
     n_int = math.prod(len(r.values()) for r in space.ints.values())
     if n_int > COUNT_LIMIT:
@@ -499,12 +512,16 @@ def _table(trials: list[optuna.trial.FrozenTrial]) -> str:
     rows = [head]
     for t in trials:
         a = t.user_attrs
+        auto = a.get("queue_mode") == "auto"  # the pair is where the autopilot started
         rows.append(
-            f"  {t.number:>4} {a['queue_min_ready']:>4} {a['queue_max_depth']:>4} {a['queue_policy']:<13} "
+            f"  {t.number:>4} {a['queue_min_ready']:>4}{'*' if auto else ' '}{a['queue_max_depth']:>4} "
+            f"{a['queue_policy']:<13} "
             f"{a['queue_gate']:<10} {a['queue_items_per_take']:>4} "
             f"{a['throughput_tokens_per_s']:>10,.0f} ± {_se(a.get('throughput_tokens_per_s_se')):>6} "
             f"{a['mix_efficiency']:>7.3f} ± {_se(a.get('mix_efficiency_se'), 3):>5} "
             f"{(a['peak_queue_bytes'] or 0) / 2**30:>8.1f} {a['max_bucket_streak'] or 0:>6.0f}")
+    if any(t.user_attrs.get("queue_mode") == "auto" for t in trials):
+        rows.append("  * queue mode auto: min/max is where the autopilot started")
     return "\n".join(rows)
 
 
@@ -513,12 +530,13 @@ def format_grid(study: optuna.Study, cfg: DflashConfig) -> str:
     cell: dict[tuple[str, str], optuna.trial.FrozenTrial] = {}
     for t in complete_trials(study):
         cell[(t.params["pair"], t.params["policy"])] = t
-    pairs = [f"{a}/{b}" for a, b in cfg.sweep.grid_pairs]
+    pairs = _grid(cfg)["pair"]
     policies = list(cfg.sweep.grid_policies)
     out = ["sensitivity table: mix_efficiency ± se | tokens/s (mean over seeds)",
            f"  {'min/max':<18}" + "".join(f"{p:>26}" for p in policies)]
     for pair in pairs:
-        row = f"  {knobs_label(*(int(x) for x in pair.split('/'))):<18}"
+        label = "auto (autopilot)" if pair == AUTO_PAIR else knobs_label(*(int(x) for x in pair.split("/")))
+        row = f"  {label:<18}"
         for pol in policies:
             t = cell.get((pair, pol))
             if t is None:
@@ -534,10 +552,10 @@ def format_grid(study: optuna.Study, cfg: DflashConfig) -> str:
 def sweep_args(args: Any, cfg: DflashConfig) -> SweepArgs:
     out = Path(args.out) if args.out else Path("sweep-out")
     grid = bool(args.grid) or cfg.sweep.sampler == "grid"
-    trials = int(args.trials) if args.trials is not None else (
-        len(cfg.sweep.grid_pairs) * len(cfg.sweep.grid_policies) if grid else cfg.sweep.trials)
+    cells = len(_grid(cfg)["pair"]) * len(cfg.sweep.grid_policies)
+    trials = int(args.trials) if args.trials is not None else (cells if grid else cfg.sweep.trials)
     if grid:
-        trials = min(trials, len(cfg.sweep.grid_pairs) * len(cfg.sweep.grid_policies))
+        trials = min(trials, cells)
     return SweepArgs(trials=trials, storage=storage_url_or_default(args.storage, out),
                      study=args.study or "dflash", workers=int(args.workers or 1), grid=grid, out=out,
                      calibration=args.calibration)
