@@ -176,24 +176,108 @@ def block_steps(cfg: DflashConfig, args: ValidateArgs, block: int) -> tuple[int,
 
 def run_block(entry: dict[str, Any], block: int, base: DflashConfig, args: ValidateArgs,
               progress: Callable[[str], None]) -> dict[str, Any]:
-    """Train one block of one configuration (block 0 starts the run, later ones resume its
-    checkpoint with a larger step budget) and measure the block alone; the block's row."""
+    """Train one block of one configuration and measure the block alone; the block's row.
+
+    On the CPU the configuration's rank job stays alive across its blocks, held between them with
+    its queue intact (:mod:`dflash.pipeline.hold`: no process start, model load or refill per block).
+    On GPUs, where a held job would keep its device memory from the next configuration, block 0
+    starts the run and later blocks resume its checkpoint with a larger step budget."""
     name = entry["name"]
     upto, total = block_steps(base, args, block)
+    held = keep_alive(base)
     # schedule_steps: the LR schedule is that of the whole budget whatever block we are in.
-    run_cfg = with_overrides(base, {**queue_overrides(entry["queue"]), "train.max_steps": upto,
+    run_cfg = with_overrides(base, {**queue_overrides(entry["queue"]), "train.max_steps": total if held else upto,
                                     "train.schedule_steps": total, "train.max_minutes": None,
                                     "train.eval_every": None})
     run_dir = args.out / "runs" / name
     if block == 0 and run_dir.exists():  # a dead worker's partial first block: start over
+        _release(run_dir)
         shutil.rmtree(run_dir)
-    summary = train_block(run_cfg, run_dir, resume=block > 0, progress=progress)
+    t_start = time.perf_counter()
+    if held:
+        hold_block(run_cfg, run_dir, block, upto, total)
+        steps = upto
+    else:
+        steps = train_block(run_cfg, run_dir, resume=block > 0, progress=progress).get("steps")
+    wall_s = time.perf_counter() - t_start
     # The block starts after the previous block's last step. Read after the resume: a dead worker's
     # half of this block past the checkpoint was dropped from the records and trained again.
     before = block_steps(base, args, block - 1)[0] if block else 0
     t0 = max((float(r["t"]) for r in read_records(run_dir, "take") if int(r["step"]) < before), default=-math.inf)
     measured = block_metrics(run_dir, run_cfg, t0)
-    return clean_json({"name": name, "block": block, "steps": summary.get("steps"), **measured})
+    return clean_json({"name": name, "block": block, "steps": steps, "held": held, "wall_s": wall_s, **measured})
+
+
+def keep_alive(cfg: DflashConfig) -> bool:
+    """Hold each configuration's job between its blocks when every rank runs on the CPU (host memory
+    holds several small jobs; a GPU's memory is wanted by the next configuration's job)."""
+    return all(d == "cpu" for d in (*cfg.target.devices, *cfg.drafter.devices)) and not _cuda_available()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+BLOCK_TIMEOUT_S = 3600.0  # a block that shows no end in this long is a hang
+_HELD: dict[Path, Any] = {}  # this worker's held jobs (dflash.pipeline.trainer.HeldJob), by run directory
+
+
+def hold_block(cfg: DflashConfig, run_dir: Path, block: int, upto: int, total: int) -> None:
+    """Block ``block`` of a held job: continue this worker's job (or another worker's, through the
+    files in its run directory), else start the job (resuming the run after block 0); returns when
+    the job holds after the block or, after the last block, has ended."""
+    from dflash.pipeline.hold import Block, holding
+    from dflash.pipeline.trainer import HeldJob
+
+    nxt = Block(block, upto if upto < total else None)
+    job = _HELD.get(run_dir)
+    if job is not None and job.alive() and job.serial == block - 1:
+        state = job.advance(nxt, BLOCK_TIMEOUT_S)
+    elif job is None and block > 0 and holding(run_dir, block - 1):
+        state = _drive_foreign(run_dir, nxt)
+    else:
+        if job is not None:
+            job.kill()
+        job = _HELD[run_dir] = HeldJob(cfg, run_dir, resume=block > 0, first=nxt)
+        state = job.wait(BLOCK_TIMEOUT_S)
+    if state == "ended":
+        _HELD.pop(run_dir, None)
+
+
+def _drive_foreign(run_dir: Path, nxt: Any) -> str:
+    """Another worker's job holds in ``run_dir`` (a shared output directory): give it the block by file."""
+    from dflash.pipeline.hold import ended, holding, write_block
+
+    write_block(run_dir, nxt)
+    deadline = time.monotonic() + BLOCK_TIMEOUT_S
+    while not holding(run_dir, nxt.serial):
+        if ended(run_dir):
+            return "ended"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the held job in {run_dir} showed no end of block {nxt.serial}")
+        time.sleep(0.1)
+    return "held"
+
+
+def _release(run_dir: Path | None = None) -> None:
+    """End this worker's held jobs (all, or the one of ``run_dir``) the normal way: metrics, drafter."""
+    for d in [run_dir] if run_dir is not None else list(_HELD):
+        job = _HELD.pop(d, None)
+        if job is not None:
+            job.stop(BLOCK_TIMEOUT_S)
+
+
+def _wait_for_held_ends(run_dirs: list[Path]) -> None:
+    """Other workers end their held jobs as they finish; their metrics are read only after that."""
+    from dflash.pipeline.hold import pending_end
+
+    deadline = time.monotonic() + BLOCK_TIMEOUT_S
+    while any(pending_end(d) for d in run_dirs):
+        if time.monotonic() > deadline:
+            raise TimeoutError("held jobs of other workers did not end")
+        time.sleep(0.5)
 
 
 def train_block(cfg: DflashConfig, run_dir: Path, *, resume: bool, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -207,21 +291,28 @@ def train_block(cfg: DflashConfig, run_dir: Path, *, resume: bool, progress: Cal
 def block_metrics(run_dir: Path, cfg: DflashConfig, t0: float) -> dict[str, Any]:
     """DESIGN.md's metrics on the block's own records (after ``t0``, the previous block's last take).
 
-    The queue starts the block empty (a resumed run replays what was in flight), so the steady
-    state, and the measurement, begins when the queue first holds ``min_ready`` items again: refill
-    time is excluded. ``mix_efficiency`` needs windows; a block with fewer than two windows of
-    items is measured with a window of half its items (``mix_window`` says which).
+    The depth series starts with the items queued at ``t0`` (a held job keeps them; a resumed run
+    replays them, and its refill is then excluded: the steady state, and the measurement, begins
+    when the queue holds ``min_ready`` items again, never before ``t0``). ``mix_efficiency`` needs
+    windows; a block with fewer than two windows of items is measured with a window of half its
+    items (``mix_window`` says which).
     """
     from dflash.core.runmetrics import RunTrace, run_metrics
     from simulator.workload import make_sampler
 
-    produce = [r for r in read_records(run_dir, "produce") if float(r.get("t_start", r["t"])) > t0]
-    takes = sorted((r for r in read_records(run_dir, "take") if float(r["t"]) > t0), key=lambda r: r["t"])
+    all_takes = list(read_records(run_dir, "take"))
+    taken_before = {i for r in all_takes if float(r["t"]) <= t0 for i in r["item_ids"]}
+    latest: dict[str, dict[str, Any]] = {}  # an item replayed at a resume: its last produce record
+    for r in read_records(run_dir, "produce"):
+        if r["item_id"] not in taken_before:
+            latest[r["item_id"]] = r
+    produce = sorted(latest.values(), key=lambda r: float(r["t"]))
+    takes = sorted((r for r in all_takes if float(r["t"]) > t0), key=lambda r: r["t"])
     sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size)
     close_t = max((float(r["t"]) + float(r.get("compute_s") or 0.0) for r in takes), default=0.0)
     window = max(2, min(cfg.metrics.window, sum(len(r["item_ids"]) for r in takes) // 2))
     m = run_metrics(RunTrace.from_records(produce, takes), p=sampler.item_mix(), min_ready=cfg.queue.min_ready,
-                    window=window, warmup_s=0.0, close_t=close_t, n_target=cfg.cluster.n_target,
+                    window=window, warmup_s=max(0.0, t0), close_t=close_t, n_target=cfg.cluster.n_target,
                     n_drafter=cfg.cluster.n_drafter, n_buckets=sampler.n_buckets)
     out = {k: m.get(k) for k in COMPARED if k != "loss_roughness"}
     return {**out, "mix_window": window, "takes": len(takes), "t_start": m.get("steady_state_start_s"),
@@ -315,8 +406,12 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
                 progress(f"{unit}: claim lost to another worker (this one was taken for dead); result dropped")
             _look_after_round(store, block, looks, progress)
         rows = store.rows()
+        _release()  # held jobs end the normal way: their metrics.json and drafter are read below
     finally:
         store.close()
+        for job in list(_HELD.values()):  # an error: stop with a checkpoint (a rerun resumes it)
+            job.kill()
+        _HELD.clear()
     return write_summary(base, calibrated, args, rows, progress)
 
 
@@ -525,6 +620,7 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
     blocks = block_table([r for r in done if r["name"] not in failed_names])
     chosen, comps, rec = _evidence(blocks, looks, args.block_takes)
     entries = {c["name"]: c for c in args.selection["configs"]}
+    _wait_for_held_ends([args.out / "runs" / n for n in entries if n in blocks])
     target = load_target(base.target.model) if blocks else None
     configs = [config_row(entries[n], [r for r in done if r["name"] == n], base, calibrated, args, target)
                for n in entries if n in blocks]

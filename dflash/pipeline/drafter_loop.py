@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dflash.pipeline.checkpoint import write_checkpoint
-from dflash.pipeline.workers import STOP_NONE, DrafterWorker
+from dflash.pipeline.workers import STOP_MAX_STEPS, STOP_NONE, DrafterWorker
 
 
 class DrafterLoop:
@@ -29,6 +29,8 @@ class DrafterLoop:
         self.stage_totals: dict[str, list[float]] = {}
         self.losses: list[float] = []
         self.elapsed_s = 0.0  # training time, all sessions (the ranks agree on it every step)
+        self.held_s = 0.0  # time spent holding between validation blocks (not training time)
+        self.hold = _hold_watch(rr) if self.host else None
 
     def run(self) -> None:
         rr, w, train = self.rr, self.worker, self.cfg.train
@@ -42,8 +44,16 @@ class DrafterLoop:
             rr.service.note("learning-rate schedule: a new phase for the extended run", rr.new_phase)
         try:
             while True:
-                mine = before_s + time.perf_counter() - wall0 if self.host else 0.0
-                code, self.elapsed_s = w.agree_stop(rr.local_stop(step, mine), mine)
+                mine = before_s + time.perf_counter() - wall0 - self.held_s if self.host else 0.0
+                local = rr.local_stop(step, mine)
+                if local == STOP_NONE and self.hold is not None and self.hold.due(step):
+                    if step > start and last_ckpt != step - 1:
+                        self.checkpoint(step - 1)  # the block's end: its records are on disk
+                        last_ckpt = step - 1
+                    stop = self._hold_between_blocks(step)
+                    mine = before_s + time.perf_counter() - wall0 - self.held_s
+                    local = STOP_MAX_STEPS if stop else rr.local_stop(step, mine)
+                code, self.elapsed_s = w.agree_stop(local, mine)
                 if code != STOP_NONE:
                     stopped_by = rr.stop_name(code)
                     break
@@ -81,6 +91,10 @@ class DrafterLoop:
             rr.channel.send(bye)
             if self.host:
                 self._finish()
+                if self.hold is not None:
+                    from dflash.pipeline.hold import write_held
+
+                    write_held(rr.out, self.hold.block.serial, step, ended=True)
         finally:
             if wb is not None:
                 sync = wb.sync_command
@@ -88,6 +102,43 @@ class DrafterLoop:
                 if sync:
                     rr.progress(f"W&B offline run: upload later with `{sync}`")
         rr.status("finished")
+
+    def _hold_between_blocks(self, step: int) -> bool:
+        """Host rank at a validation block's end: pause the producers, say so in held.json (renewed while
+        holding), wait for the next block; True when told to stop (or left alone for HOLD_TIMEOUT_S).
+        The other drafter ranks wait in the next stop agreement meanwhile (held jobs run with a
+        process-group timeout longer than the hold)."""
+        from dflash.pipeline.hold import BEAT_S, HOLD_TIMEOUT_S, write_held
+
+        rr, hold = self.rr, self.hold
+        assert hold is not None
+        t0 = time.perf_counter()
+        rr.service.pause(rr.spec.wait_s)
+        rr.status(f"holding after block {hold.block.serial} at step {step}")
+        try:
+            while not hold.block.stop:
+                write_held(rr.out, hold.block.serial, step)
+                nxt = self._next_block(BEAT_S)
+                if rr.signal is not None:
+                    return False  # the signal ends the run as a signal does
+                if time.perf_counter() - t0 > HOLD_TIMEOUT_S:
+                    return True  # the driver is gone: end cleanly (checkpoint, metrics, drafter)
+                if nxt is not None and not hold.due(step):
+                    return False  # the next block: train on
+            return True
+        finally:
+            rr.service.unpause()
+            self.held_s += time.perf_counter() - t0
+
+    def _next_block(self, within_s: float) -> Any:
+        assert self.hold is not None
+        deadline = time.perf_counter() + within_s
+        while time.perf_counter() < deadline and self.rr.signal is None:
+            nxt = self.hold.next_block()
+            if nxt is not None:
+                return nxt
+            time.sleep(0.05)
+        return None
 
     def _add_stages(self, stages: dict[str, float]) -> None:
         for k, v in stages.items():
@@ -164,3 +215,12 @@ class DrafterLoop:
                     + (f"; replayed {s['replayed']}" if s.get("replayed") else ""))
         rr.progress(f"drafter weights: {rr.out / 'drafter'}; records: {rr.out}")
         rr.progress(f"export for serving: dflash export --drafter {rr.out} --out {rr.out / 'export'}")
+
+
+def _hold_watch(rr: Any) -> Any:
+    """A job started by validation to hold between its blocks reads block.json (dflash.pipeline.hold)."""
+    from dflash.pipeline.hold import BLOCK_FILE, HOLD_ENV, HoldWatch
+
+    if os.environ.get(HOLD_ENV) != "1" or not (rr.out / BLOCK_FILE).exists():
+        return None
+    return HoldWatch(rr.out)

@@ -120,6 +120,10 @@ class CoordinatorService:
 
         self.mix = RollingMix(sampler.item_mix(), cfg.metrics.window)  # the step line's rolling mix metrics
         self.last_telemetry: dict[str, float] = {}  # the latest logging interval's per-rank values (W&B)
+        self._paused = False  # holding between validation blocks (dflash.pipeline.hold): no admits
+        self._pause_t = 0.0
+        self._parked: list[int] = []  # producers waiting for their admit while paused
+        self._computing: set[int] = set()  # producers admitted to compute an item not yet reported ready
 
     # ------------------------------------------------------------------ lifecycle
     def now(self) -> float:
@@ -168,7 +172,17 @@ class CoordinatorService:
         self._dispatch(self.coord.serve(t), t)
 
     def _on_next(self, rank: int, msg: dict[str, Any], t: float) -> None:
-        self.hub.send(rank, {"op": "admit", "next": self._next_id()})
+        self._admit_next(rank)
+
+    def _admit_next(self, rank: int) -> None:
+        """The producer may compute its next item; while the job holds between blocks it waits instead."""
+        if self._paused:
+            self._parked.append(rank)
+            return
+        nxt = self._next_id()
+        if nxt is not None:
+            self._computing.add(rank)
+        self.hub.send(rank, {"op": "admit", "next": nxt})
 
     def _next_id(self) -> str | None:
         if self.coord.stopped:
@@ -177,6 +191,7 @@ class CoordinatorService:
         return None if spec is None else spec.item_id
 
     def _on_ready(self, rank: int, msg: dict[str, Any], t: float) -> None:
+        self._computing.discard(rank)
         spec = self.sampler.item(msg["item_id"])
         item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len, msg["nbytes"],
                          payload=msg["meta"])
@@ -187,7 +202,7 @@ class CoordinatorService:
             return
         if self.coord.ready(rank, item, t):
             self._produced(spec.item_id, t, 0.0)
-            self.hub.send(rank, {"op": "admit", "next": self._next_id()})
+            self._admit_next(rank)
 
     def _produced(self, item_id: str, t: float, blocked_s: float) -> None:
         info = self._items[item_id]
@@ -240,7 +255,7 @@ class CoordinatorService:
         for a in actions:
             if isinstance(a, Admit):
                 self._produced(a.item_id, t, a.blocked_s)
-                self.hub.send(a.producer, {"op": "admit", "next": self._next_id()})
+                self._admit_next(a.producer)
             elif isinstance(a, Assignment):
                 self._assign(a)
             elif isinstance(a, NoWork):
@@ -328,6 +343,30 @@ class CoordinatorService:
                     "trained": self.before["trained"] + self.trained,
                     "skipped_no_anchors": self.before.get("skipped_no_anchors", 0) + self.skipped,
                     "replayed": self.before.get("replayed", 0) + self.feed.replayed}
+
+    # ------------------------------------------------------------------ holding between blocks
+    def pause(self, timeout: float) -> None:
+        """Hold: producers get no admit (they finish the item in hand and wait), the queue stays as it is.
+        Returns once no producer computes, so the held job takes no CPU from another job's block."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._paused = True
+            self._pause_t = self.now()
+            while self._computing:
+                if self.error is not None:
+                    raise RuntimeError(f"coordinator failed: {self.error}") from self.error
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"producers {sorted(self._computing)} still computing after {timeout} s")
+                self._lock.wait(0.1)
+
+    def unpause(self) -> None:
+        """Continue: the clock skips the pause (records read as one run) and parked producers are admitted."""
+        with self._lock:
+            self._t0 += self.now() - self._pause_t
+            self._paused = False
+            parked, self._parked = self._parked, []
+            for rank in parked:
+                self._admit_next(rank)
 
     def note(self, reason: str, change: dict[str, Any]) -> None:
         """A change the host rank made to the run (e.g. a new learning-rate phase), as a control record."""

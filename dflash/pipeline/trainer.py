@@ -2,7 +2,8 @@
 
 dflash has one training loop, the rank job (:mod:`dflash.pipeline.launch`: one process per rank, so
 1 + 1 is two processes, with the coordinator, the transport, the control channel and the ledger).
-Validation blocks, the demo's calibration run, benchmarks and tests start it through :func:`train`,
+Validation blocks, the demo's calibration run, benchmarks and tests start it through :func:`train`
+(or :class:`HeldJob`, the same job held between validation blocks: :mod:`dflash.pipeline.hold`),
 so what they measure is what a user's ``dflash train`` runs. There is no in-process twin to keep in
 step with it (issue #26: the in-process ``Trainer``/``HSQueue`` measured one process model and the
 recommendation was applied on another).
@@ -11,6 +12,12 @@ recommendation was applied on another).
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,3 +61,117 @@ def train(cfg: DflashConfig, out: str | Path, *, resume: bool = False, quiet: bo
     if not summaries or not metrics_path.is_file():
         raise JobFailed(f"the rank job in {run} ended without its summary and metrics.json")
     return JobResult(run, summaries[-1], json.loads(metrics_path.read_text()))
+
+
+SPEC_FILE = ".job-spec.pkl"  # a held job's RunSpec, handed to its launcher process
+
+
+class HeldJob:
+    """The rank job of one configuration, alive across its validation blocks (paused between them).
+
+    Its launcher runs in a child process (``python -m dflash.pipeline.trainer``), so the driver can run
+    other configurations' blocks meanwhile; ``block.json``/``held.json`` in the run directory carry the
+    blocks (:mod:`dflash.pipeline.hold`). The child dies with the driver (SIGTERM: the ranks stop after
+    their step with a checkpoint, and a later block resumes it)."""
+
+    def __init__(self, cfg: DflashConfig, out: str | Path, *, resume: bool, first: Any,
+                 wait_s: float = 600.0) -> None:
+        from dflash.pipeline.hold import HELD_FILE, HOLD_ENV, HOLD_TIMEOUT_S, write_block
+        from dflash.pipeline.rank import RunSpec
+
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / HELD_FILE).unlink(missing_ok=True)
+        write_block(self.out, first)
+        self.serial = first.serial
+        # the other drafter ranks wait in a collective while the host holds: a longer process-group timeout
+        spec = RunSpec(cfg, str(self.out), resume=resume, wandb="disabled", wait_s=wait_s,
+                       pg_timeout_s=HOLD_TIMEOUT_S + wait_s, quiet=True)
+        (self.out / SPEC_FILE).write_bytes(pickle.dumps(spec))
+        self.t_start = time.perf_counter()
+        self._stderr = open(self.out / ".job.stderr", "w")  # noqa: SIM115 - open while the job runs
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.pipeline.trainer", str(self.out / SPEC_FILE)],
+                                     env={**os.environ, HOLD_ENV: "1"}, stdout=subprocess.DEVNULL,
+                                     stderr=self._stderr, preexec_fn=_term_with_parent)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def advance(self, block: Any, timeout: float) -> str:
+        """Give the job its next block; wait until it holds after it (``"held"``) or ends (``"ended"``)."""
+        from dflash.pipeline.hold import write_block
+
+        if block.serial != self.serial:
+            write_block(self.out, block)
+            self.serial = block.serial
+        return self.wait(timeout)
+
+    def wait(self, timeout: float) -> str:
+        from dflash.pipeline.hold import ended, holding
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None or ended(self.out):
+                self.proc.wait(timeout)
+                self._ended()
+                return "ended"
+            if holding(self.out, self.serial):
+                return "held"
+            if time.monotonic() > deadline:
+                self.kill()
+                raise JobFailed(f"the held job in {self.out} gave no sign of block {self.serial} in {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float) -> None:
+        """End the job the normal way (checkpoint, metrics.json, drafter) and wait for it."""
+        from dflash.pipeline.hold import Block, write_block
+
+        if self.alive():
+            self.serial += 1
+            write_block(self.out, Block(self.serial, stop=True))
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise JobFailed(f"the held job in {self.out} did not end within {timeout:.0f} s") from None
+        self._ended()
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._stderr.close()
+
+    def _ended(self) -> None:
+        from dflash.pipeline.launch import first_rank_error
+        from dflash.pipeline.rank import RANKS_DIR
+
+        self._stderr.close()
+        if self.proc.returncode != 0:
+            line, _ = first_rank_error(self.out / RANKS_DIR)
+            raise JobFailed(f"the rank job in {self.out} failed: {line or f'exit status {self.proc.returncode}'}")
+
+
+def _term_with_parent() -> None:
+    """In the held job's launcher: SIGTERM when the driver dies (its ranks then stop with a checkpoint)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m dflash.pipeline.trainer SPEC``: launch the pickled RunSpec (a held job's child)."""
+    from dflash.pipeline.launch import launch
+
+    return launch(pickle.loads(Path(argv[0]).read_bytes()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

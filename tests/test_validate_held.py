@@ -1,0 +1,113 @@
+"""Validation blocks do not pay for a restart: on the CPU each configuration's rank job stays alive
+across its blocks, held between them with its queue intact (issue #26 item 2).
+
+Two tiny configurations alternate A B A B through validate's own ``run_block``, as the claim loop
+runs them; one module-scoped pass is shared by the assertions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dflash.core.config import load_config
+from dflash.core.records import read_records
+from tests.test_resume_and_control import run_inputs, write_cfg  # noqa: F401 - the fixture
+from tuning.validate import ValidateArgs, _release, block_steps, run_block
+
+ENTRIES = [{"name": "a", "queue": {"min_ready": 3, "max_depth": 6, "policy": "random_item"}},
+           {"name": "b", "queue": {"min_ready": 2, "max_depth": 4, "policy": "fifo"}}]
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> dict:  # noqa: F811
+    d = tmp_path_factory.mktemp("held")
+    base = load_config(write_cfg(d / "cfg.toml", run_inputs, log_every=1000, checkpoint_every=1000))
+    args = ValidateArgs(selection={"configs": ENTRIES}, selection_path="sel.json", takes=24, out=d / "val",
+                        calibration=None, claims_url="sqlite://", prompts=1, block_takes=8)
+    rows = []
+    try:
+        for block in range(3):
+            for entry in ENTRIES:
+                rows.append(run_block(entry, block, base, args, progress=lambda _m: None))
+        _release()
+    finally:
+        from tuning.validate import _HELD
+
+        for job in list(_HELD.values()):
+            job.kill()
+        _HELD.clear()
+    return {"rows": rows, "out": args.out, "base": base, "args": args}
+
+
+def test_each_configuration_trains_all_its_blocks_in_one_job_of_two_processes(held) -> None:
+    for entry in ENTRIES:
+        run = held["out"] / "runs" / entry["name"]
+        produce, takes = list(read_records(run, "produce")), list(read_records(run, "take"))
+        pids = {r["pid"] for r in produce} | {r["pid"] for r in takes}
+        assert len({r["pid"] for r in produce}) == 1 and len({r["pid"] for r in takes}) == 1 and len(pids) == 2
+        s = list(read_records(run, "summary"))
+        assert len(s) == 1 and s[0]["steps"] == 24 and s[0]["replayed"] == 0  # one session, nothing produced again
+        assert max(Counter(r["item_id"] for r in produce).values()) == 1
+        assert [r["step"] for r in read_records(run, "step")] == list(range(24))
+        assert json.loads((run / "held.json").read_text())["ended"] and (run / "metrics.json").is_file()
+
+
+def test_a_held_block_starts_with_the_queue_it_left_and_is_measured_from_its_own_start(held) -> None:
+    base, args = held["base"], held["args"]
+    for entry in ENTRIES:
+        run = held["out"] / "runs" / entry["name"]
+        takes = sorted(read_records(run, "take"), key=lambda r: r["t"])
+        rows = [r for r in held["rows"] if r["name"] == entry["name"]]
+        assert [r["held"] for r in rows] == [True, True, True]
+        for block in (1, 2):
+            first_step = block_steps(base, args, block - 1)[0]
+            first = next(t for t in takes if t["step"] == first_step)
+            last_before = max(t["t"] for t in takes if t["step"] < first_step)
+            assert first["depth_before"] >= entry["queue"]["min_ready"]  # no refill: the queue was kept
+            assert rows[block]["t_start"] >= last_before  # the block's span is its own
+            assert rows[block]["throughput_tokens_per_s"] > 0 and rows[block]["takes"] == 8
+
+
+def test_a_held_job_computes_nothing_while_another_configuration_trains(held) -> None:
+    """Producers get no admit while their job holds: between a block's last take and the next block's
+    first take (the clock skips the pause) a producer finishes at most the item it had in hand."""
+    runs = {e["name"]: held["out"] / "runs" / e["name"] for e in ENTRIES}
+    for n, run in runs.items():  # produced after the job's last take of a block, before its next block:
+        produce = sorted(read_records(run, "produce"), key=lambda r: r["t_start"])
+        takes = sorted(read_records(run, "take"), key=lambda r: r["t"])
+        for block in (1, 2):
+            edge = block_steps(held["base"], held["args"], block - 1)[0]
+            end = max(t["t"] for t in takes if t["step"] < edge)
+            start = min(t["t"] for t in takes if t["step"] >= edge)
+            inside = [p for p in produce if end < p["t_start"] < start]
+            assert len(inside) <= 1, (n, block, inside)  # at most the item in hand when the hold began
+
+
+def test_the_block_start_cost_is_measured(held) -> None:
+    """Block 0 pays process start, model load and the first fill; held blocks pay none of them."""
+    by = {(r["name"], r["block"]): r["wall_s"] for r in held["rows"]}
+    for entry in ENTRIES:
+        assert by[(entry["name"], 0)] > 0 and all(by[(entry["name"], k)] > 0 for k in (1, 2))
+
+
+def test_the_driver_gone_a_held_job_ends_itself_cleanly(tmp_path: Path) -> None:
+    """The hold files: a block says where to hold, a newer block where to go on, stop ends the job."""
+    from dflash.pipeline.hold import Block, HoldWatch, ended, holding, pending_end, write_block, write_held
+
+    write_block(tmp_path, Block(0, until_step=4))
+    w = HoldWatch(tmp_path)
+    assert not w.due(3) and w.due(4)
+    assert w.next_block() is None  # the same block: keep holding
+    write_held(tmp_path, 0, 4)
+    assert holding(tmp_path, 0) and not holding(tmp_path, 1) and pending_end(tmp_path)
+    assert not holding(tmp_path, 0, now=10**12)  # a stale beat: the job is gone
+    write_block(tmp_path, Block(1, until_step=8))
+    assert w.next_block() == Block(1, 8) and not w.due(4) and w.due(8)
+    write_block(tmp_path, Block(2, stop=True))
+    assert w.next_block().stop and w.due(5)
+    write_held(tmp_path, 2, 8, ended=True)
+    assert ended(tmp_path) and not pending_end(tmp_path) and not holding(tmp_path, 2)
