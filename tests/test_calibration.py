@@ -298,3 +298,43 @@ def test_the_data_a_calibration_was_fitted_on_is_compared_by_content(fitted, our
     assert bool(diff) is differs, diff
     if differs:
         assert len(diff) == 1 and ("fingerprint" in diff[0] or "dataset" in diff[0])
+
+
+def test_busy_is_the_workers_cycle_in_the_trainer_as_in_the_calibration() -> None:
+    """One meaning of busy (issue #26): a real drafter is busy from its take until it asks again, a real
+    target from an item's start to the next, less time at the cap; a hole (resume) counts the median
+    cycle; simulated records keep their modelled work (calibration fitted it to those cycles)."""
+    import numpy as np
+
+    from dflash.core.runmetrics import busy_cycles
+
+    start = np.array([0.0, 1.0, 2.0, 3.0, 100.0])
+    work = np.array([0.5, 0.5, 0.5, 0.5, 0.5])
+    asked = np.array([0.0, 0.9, 1.9, 2.9, 99.9])  # the next take's request: 0.4 s after the work ends
+    got = busy_cycles([0] * 5, start, work, asked)
+    assert got.tolist() == pytest.approx([0.9] * 5)  # the hole (3 -> 99.9) and the last: the median cycle
+    blocked = np.array([0.2, 0.0, 0.0, 0.0, 0.0])  # the first item waited 0.2 s at the cap
+    t_start = np.array([0.0, 0.8, 1.6, 2.4, 3.2])
+    assert busy_cycles([0] * 5, t_start, work, t_start, less=blocked)[:2].tolist() == pytest.approx([0.6, 0.8])
+    two = busy_cycles([0, 1, 0, 1], np.array([0.0, 0.0, 1.0, 2.0]), np.full(4, 0.5), np.array([0, 0, 0.7, 1.5]))
+    assert two.tolist() == pytest.approx([0.7, 1.5, 0.7, 1.5])  # per worker
+
+
+def test_a_real_runs_utilizations_are_measured_on_cycles_and_a_simulated_ones_on_work(tmp_path: Path) -> None:
+    from dflash.core.runmetrics import RunTrace, run_metrics
+
+    produce = [{"source": "real", "t": 0.5 + k, "item_id": f"i{k}", "worker": 0, "bucket": 0, "n_seqs": 1,
+                "real_tokens": 10, "padded_len": 10, "t_start": float(k), "t_end": k + 0.5, "blocked_s": 0.0,
+                "bytes": 1} for k in range(10)]
+    takes = [{"source": "real", "t": k + 0.6, "drafter": 0, "step": k, "item_ids": [f"i{k}"], "bucket": 0,
+              "wait_s": 0.1 if k else 0.0, "depth_before": 1, "bucket_depths": [1], "gate": "ready",
+              "compute_s": 0.3, "tokens": 10, "n_seqs": 1, "anchors": 1} for k in range(10)]
+    kw = {"p": [1.0], "min_ready": 1, "window": 2, "warmup_s": 0.0, "close_t": 9.9, "n_target": 1, "n_drafter": 1,
+          "n_buckets": 1}
+    real = run_metrics(RunTrace.from_records(produce, takes), **kw)
+    sim = run_metrics(RunTrace.from_records([{**r, "source": "sim"} for r in produce],
+                                            [{**r, "source": "sim"} for r in takes]), **kw)
+    # the drafter asks again 0.9 s after each take (0.1 s at the gate): busy 0.9 of each second, not 0.3
+    assert real["drafter_utilization"] == pytest.approx(0.9, abs=0.03)
+    assert sim["drafter_utilization"] == pytest.approx(0.3, abs=0.03)
+    assert real["target_utilization"] == pytest.approx(1.0, abs=0.03) and sim["target_utilization"] < 0.55

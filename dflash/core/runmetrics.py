@@ -8,6 +8,16 @@ reductions over the columns. Torch-free.
 
 The steady-state span runs from max(warmup_s, first time depth >= min_ready) until producers close.
 Time fractions are over that span, per worker; intervals are clipped to it.
+
+**Busy** means one thing here and in the calibration (:mod:`simulator.observations`), so a calibrated
+simulator's utilisation predicts the measured one (issue #26: 0.87 predicted, 0.47 measured, when
+the trainer counted only the drafter's compute but the simulator its whole cycle): a worker is busy
+from the start of its work on an item until it is free to start the next one, less the time it is
+held at the cap (target) or waits at the gate (drafter). On a drafter that cycle holds the transfer,
+the forward and backward, the optimiser step and the ranks' all-reduces; on a target, the
+forward plus forming the item and reporting it. A cycle across a hole in the records (a resume) is
+its work plus the worker's median time outside it. A simulated take's modelled work already is that
+cycle (calibration fits it), so simulated records keep their work as their busy time.
 """
 
 from __future__ import annotations
@@ -31,13 +41,15 @@ TAKE_FIELDS = ("t", "drafter", "step", "item_ids", "bucket", "wait_s", "depth_be
 class RunTrace:
     """The produce and take records of one run as rows of tuples in the field orders above."""
 
-    def __init__(self) -> None:
+    def __init__(self, real: bool = False) -> None:
         self.produce_rows: list[tuple[Any, ...]] = []
         self.take_rows: list[tuple[Any, ...]] = []
+        self.real = real  # a real run's records: busy time is the worker's cycle (module docstring)
 
     @classmethod
     def from_records(cls, produce: Iterable[Record], take: Iterable[Record]) -> RunTrace:
-        trace = cls()
+        produce, take = list(produce), list(take)
+        trace = cls(real=any(r.get("source") == "real" for r in (*produce[:1], *take[:1])))
         trace.produce_rows = [tuple(r.get(f) for f in PRODUCE_FIELDS) for r in produce]
         trace.take_rows = [tuple(r.get(f) for f in TAKE_FIELDS) for r in take]
         return trace
@@ -174,9 +186,13 @@ def run_metrics(trace: RunTrace, *, p: Sequence[float], min_ready: int, window: 
         total = clipped(a, b, start, end) + clipped((x for x, _ in opened), (y for _, y in opened), start, end)
         return total / (n * length)
 
-    out["drafter_utilization"] = share(take_t, t_done, "drafter_busy", n_drafter)
+    drafter_end, target_end = t_done, t_end
+    if trace.real:  # free_at: when each take's drafter asked for it, the end of its previous cycle
+        drafter_end = take_t + busy_cycles(tc["drafter"], take_t, t_done - take_t, take_t - wait)
+        target_end = t_start + busy_cycles(pc["worker"], t_start, t_end - t_start, t_start, less=blocked)
+    out["drafter_utilization"] = share(take_t, drafter_end, "drafter_busy", n_drafter)
     out["drafter_gate_wait_frac"] = share(take_t - wait, take_t, "drafter_wait", n_drafter)
-    out["target_utilization"] = share(t_start, t_end, "target_busy", n_target)
+    out["target_utilization"] = share(t_start, target_end, "target_busy", n_target)
     out["producer_blocked_frac"] = share(t_end, put_t, "target_blocked", n_target)
     out["mean_queue_depth"] = series.time_weighted_mean(start, end, series.depth)
     out["mean_queue_bytes"] = series.time_weighted_mean(start, end, series.bytes)
@@ -193,6 +209,31 @@ def run_metrics(trace: RunTrace, *, p: Sequence[float], min_ready: int, window: 
     out["max_item_age_s"] = _max_item_age(put_t, pc["bucket"], take_t, take_buckets, take_idx, close_t,
                                           n_buckets)
     return out
+
+
+def busy_cycles(workers: Sequence[Any], start: np.ndarray, work: np.ndarray, free_at: np.ndarray,
+                less: np.ndarray | None = None) -> np.ndarray:
+    """Each record's busy time: from its ``start`` to the worker's next ``free_at`` (the next record's
+    request, or its start), less ``less`` (time held at the cap), never under its ``work``.
+
+    A worker's last record, and a cycle across a hole (time outside the work over five times the
+    worker's median plus 2% of the work, as :func:`simulator.observations._busy_times` rules), get
+    the work plus the worker's median time outside it."""
+    busy = np.array(work, dtype=np.float64, copy=True)
+    if not len(busy):
+        return busy
+    held = np.zeros(len(busy)) if less is None else np.asarray(less, np.float64)
+    w = np.asarray(workers)
+    for worker in np.unique(w):
+        idx = np.flatnonzero(w == worker)
+        idx = idx[np.argsort(start[idx], kind="stable")]
+        outside = free_at[idx[1:]] - start[idx[:-1]] - held[idx[:-1]] - busy[idx[:-1]]
+        typical = max(0.0, float(np.median(outside))) if outside.size else 0.0
+        normal = outside <= 5 * typical + 0.02 * busy[idx[:-1]]
+        extra = np.where(normal, np.clip(outside, 0.0, None), typical)
+        busy[idx[:-1]] += extra
+        busy[idx[-1]] += typical
+    return busy
 
 
 def _max_item_age(put_t: np.ndarray, put_bucket: Sequence[int], take_t: np.ndarray,
