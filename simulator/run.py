@@ -18,7 +18,7 @@ import random
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from dflash.core.memory_model import allreduce_seconds, bytes_per_token, fullest
 from dflash.core.queue_core import QueueCore, QueueItem
 from dflash.core.records import SCHEMA_VERSION, RecordWriter
 from dflash.core.runmetrics import RunTrace
-from dflash.core.sampler import Sampler
+from dflash.core.sampler import ItemSpec, Sampler
 from simulator.engine import QueueGet, SimHSQueue, TakeRequest, item_stream
 from simulator.stream import StreamMetrics
 from simulator.timing import DrafterTime, TargetTime, anchors_for
@@ -71,15 +71,22 @@ class SimResult:
 
 def simulate(cfg: DflashConfig, sampler: Sampler, *, sim_seconds: float, max_items: int | None = None,
              max_steps: int | None = None, records_dir: str | Path | None = None, run_id: str | None = None,
-             keep_records: bool = False, progress: Callable[[float], None] | None = None) -> SimResult:
+             keep_records: bool = False, progress: Callable[[float], None] | None = None,
+             items: Iterator[ItemSpec] | None = None, target_cost: Callable[[float], float] | None = None
+             ) -> SimResult:
     """Run the pipeline for ``sim_seconds`` simulated seconds (or until ``max_items`` are drained, or
     ``max_steps`` drafter steps are done: the trainer's ``--max-steps`` stop, for like-for-like budgets).
 
     ``keep_records`` keeps every produce and take record (``records_dir`` writes them too);
-    ``progress`` is called with the simulated time every 1/200 of ``sim_seconds``."""
+    ``progress`` is called with the simulated time every 1/200 of ``sim_seconds``.
+
+    Mid-run changes (benchmarks/autopilot.py): ``items`` replaces the sampler's item stream (e.g. one
+    whose length-grouped runs grow partway); ``target_cost(t)`` scales a target item started at ``t``
+    (e.g. per-item costs drifting 30%)."""
     wall0 = time.perf_counter()
     records = keep_records or records_dir is not None or cfg.loss_model.fitted
-    run = _Pipeline(cfg, sampler, max_items=max_items, max_steps=max_steps, records=records)
+    run = _Pipeline(cfg, sampler, max_items=max_items, max_steps=max_steps, records=records, items=items,
+                    target_cost=target_cost)
     _run(run.env, sim_seconds, run.budget_done if max_steps is not None else None, progress)
     close_t = min(run.env.now, sim_seconds)
     result = run.result(close_t)
@@ -94,14 +101,18 @@ class _Pipeline:
     streamed metrics and, when asked, the records. The hot loops bind what they use to locals."""
 
     def __init__(self, cfg: DflashConfig, sampler: Sampler, *, max_items: int | None, max_steps: int | None,
-                 records: bool) -> None:
+                 records: bool, items: Iterator[ItemSpec] | None = None,
+                 target_cost: Callable[[float], float] | None = None) -> None:
         self.cfg, self.sampler, self.max_steps, self.records = cfg, sampler, max_steps, records
         self.env = env = simpy.Environment()
         self.n_target, self.n_drafter = cfg.cluster.n_target, cfg.cluster.n_drafter
         self.mix = sampler.item_mix()
         self.core = QueueCore(cfg.queue, sampler.n_buckets, mix=self.mix, seed=cfg.seed)
         seed_rng = random.Random(cfg.seed + 7919)
-        self.target_time = TargetTime(cfg.timing, random.Random(seed_rng.random()))
+        self.target_time: Callable[[int, int, float], float] = TargetTime(cfg.timing, random.Random(seed_rng.random()))
+        if target_cost is not None:
+            base_time = self.target_time
+            self.target_time = lambda n_seqs, padded_len, t0: base_time(n_seqs, padded_len, t0) * target_cost(t0)
         self.drafter_time = DrafterTime(cfg.timing, random.Random(seed_rng.random()))
         self.trace = RunTrace()  # field orders: dflash.core.runmetrics
         self.stream = StreamMetrics(p=self.mix, min_ready=cfg.queue.min_ready, window=cfg.metrics.window,
@@ -124,7 +135,8 @@ class _Pipeline:
         self.controls: list[dict[str, Any]] = []
         self.knobs: list[tuple[float, int, int]] = [(0.0, cfg.queue.min_ready, cfg.queue.max_depth)]
         self.queue = SimHSQueue(env, self.core, self._on_take_callback(), self._on_put_callback())
-        self.specs = sampler.iter_items() if max_items is None else item_stream(sampler.iter_items(), max_items)
+        stream = sampler.iter_items() if items is None else items
+        self.specs = stream if max_items is None else item_stream(stream, max_items)
         for w in range(self.n_target):
             env.process(self.producer(w))
         if cfg.cluster.drafter_sync == "step":
