@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU check (issues #4, #14): the distributed trainer on the GPUs present, on a machine that has torch,
-# transformers and tokenizers only (run from a checkout; nothing is installed). 2+ GPUs: half target, half
-# drafter ranks, NCCL point-to-point; 1 GPU: 1 target + 1 drafter rank sharing it (host-memory data plane).
-# Random 1B-class Llama target, synthetic conversations, W&B off, 2 minutes of training, < 4 minutes total.
+# GPU acceptance run (issue #25 item 6): regenerate -> train -> eval -> calibrate -> predict and run a
+# second configuration, through the real dflash verbs, on the GPUs present (2+: half target, half drafter
+# ranks, NCCL; 1: a target and a drafter rank share it). No network: the packaged SmolLM2 + ShareGPT where
+# installed, else a random 1B Llama and synthetic conversations. Two 1-minute training runs, <= 5 minutes.
+# Flags pass through: --target, --data, --minutes, --json FILE, --keep (see python3 scripts/gpu_check.py -h).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 235 python3 scripts/gpu_check.py --arch 1b --minutes 2 "$@"
+timeout 330 python3 scripts/gpu_check.py --json "${GPU_CHECK_JSON:-gpu_check.json}" "$@"
