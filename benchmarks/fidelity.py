@@ -7,6 +7,7 @@ compares them with the calibrated prediction for the same budget. Prints the tab
 benchmarks/RESULTS.md. Every stage is skipped when its output exists, so a killed run resumes.
 
     python benchmarks/fidelity.py --out fidelity --takes 300 --cal-steps 300   # ~1 h on 2 cores
+    python benchmarks/fidelity.py --out fidelity --utilization 2+2 --steps 40   # issue #26: busy agrees
 """
 
 from __future__ import annotations
@@ -83,6 +84,46 @@ def repredict(name: str, out: Path) -> dict:
     return payload
 
 
+def utilization(out: Path, shape: str, steps: int) -> str:
+    """Issue #26 item 3: on a calibrated T + D CPU job, predicted and measured utilisations agree.
+
+    A sibling run of the CPU profile with that shape calibrates the simulator; a second run (another
+    seed: other items) is measured; the calibrated simulator predicts the second run's config for the
+    same number of steps. Both sides count busy the same way (dflash.core.runmetrics)."""
+    from dflash.core.config import load_config, with_overrides
+    from dflash.pipeline.trainer import train
+    from simulator.calibration import apply_calibration, calibrate, write_calibration
+    from tuning.validate import predict
+
+    n_t, n_d = (int(x) for x in shape.split("+"))
+    base = with_overrides(load_config(PROFILES["target-bound"][0]), {
+        "cluster.n_target": n_t, "cluster.n_drafter": n_d, "train.max_steps": steps, "train.log_every": 10**6})
+    d = out / f"utilization-{n_t}x{n_d}"
+    runs = {}
+    for name, seed in (("sibling", base.seed), ("measured", base.seed + 1)):
+        run = d / name
+        if not (run / "metrics.json").exists():
+            if run.exists():
+                import shutil
+
+                shutil.rmtree(run)
+            train(with_overrides(base, {"seed": seed}), run)
+        runs[name] = json.loads((run / "metrics.json").read_text())
+    write_calibration(calibrate([d / "sibling"], base, seed=base.seed), d / "calibration.json")
+    calibrated = apply_calibration(with_overrides(base, {"seed": base.seed + 1}), d / "calibration.json")
+    queue = {k: v for k, v in base.queue.__dict__.items() if k in ("min_ready", "max_depth", "policy")}
+    pred = predict({"name": "measured", "queue": queue}, calibrated, steps, d / "sim")
+    rows = [f"{n_t} target + {n_d} drafter ranks, {steps} steps, CPU profile; calibrated on the sibling run",
+            "| metric | predicted (3 seeds) | measured | difference |", "|---|---|---|---|"]
+    for k in ("drafter_utilization", "target_utilization", "drafter_gate_wait_frac", "throughput_tokens_per_s"):
+        p, m = pred[k]["mean"], runs["measured"].get(k)
+        diff = "n/a" if p is None or m is None else (f"{p - m:+.3f}" if "tokens" not in k else f"{(p - m) / m:+.1%}")
+        rows.append(f"| {k} | {_f(p, '.3f')} | {_f(m, '.3f')} | {diff} |")
+    text = "\n".join(rows)
+    (d / "utilization.md").write_text(text + "\n")
+    return text
+
+
 def table(results: dict[str, dict]) -> str:
     rows = ["| profile | config | metric | predicted | measured | error | measurement SE | goal met |",
             "|---|---|---|---|---|---|---|---|"]
@@ -120,7 +161,13 @@ def main() -> None:
     ap.add_argument("--profiles", default="target-bound,drafter-bound")
     ap.add_argument("--repredict", action="store_true",
                     help="reuse the real runs; refit the calibration and predict again with the current code")
+    ap.add_argument("--utilization", metavar="T+D", default=None,
+                    help="only the utilisation check of issue #26 on a calibrated T+D job (e.g. 2+2)")
+    ap.add_argument("--steps", type=int, default=40, help="steps of each run of --utilization")
     a = ap.parse_args()
+    if a.utilization:
+        print(utilization(a.out, a.utilization, a.steps))
+        return
     if a.repredict:
         results = {p: repredict(p, a.out) for p in a.profiles.split(",")}
     else:
