@@ -291,9 +291,9 @@ def train_block(cfg: DflashConfig, run_dir: Path, *, resume: bool, progress: Cal
 def block_metrics(run_dir: Path, cfg: DflashConfig, t0: float) -> dict[str, Any]:
     """DESIGN.md's metrics on the block's own records (after ``t0``, the previous block's last take).
 
-    The depth series starts with the items queued at ``t0`` (a held job keeps them; a resumed run
-    replays them, and its refill is then excluded: the steady state, and the measurement, begins
-    when the queue holds ``min_ready`` items again, never before ``t0``). ``mix_efficiency`` needs
+    The depth series starts with the items queued at ``t0``. A held job kept them: the steady state
+    goes on and the block is measured from ``t0``. A resumed run replays them and its refill is
+    excluded: the measurement begins when the queue holds ``min_ready`` items again. ``mix_efficiency`` needs
     windows; a block with fewer than two windows of items is measured with a window of half its
     items (``mix_window`` says which).
     """
@@ -311,7 +311,11 @@ def block_metrics(run_dir: Path, cfg: DflashConfig, t0: float) -> dict[str, Any]
     sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size)
     close_t = max((float(r["t"]) + float(r.get("compute_s") or 0.0) for r in takes), default=0.0)
     window = max(2, min(cfg.metrics.window, sum(len(r["item_ids"]) for r in takes) // 2))
-    m = run_metrics(RunTrace.from_records(produce, takes), p=sampler.item_mix(), min_ready=cfg.queue.min_ready,
+    # Items queued at t0 were kept (a held job): the steady state goes on from t0, whatever the gate
+    # did since (with hysteresis the depth may stay under min_ready); after a resume nothing was kept.
+    kept = any(float(r["t_end"]) + float(r.get("blocked_s") or 0.0) <= t0 for r in produce)
+    m = run_metrics(RunTrace.from_records(produce, takes), p=sampler.item_mix(),
+                    min_ready=1 if kept else cfg.queue.min_ready,
                     window=window, warmup_s=max(0.0, t0), close_t=close_t, n_target=cfg.cluster.n_target,
                     n_drafter=cfg.cluster.n_drafter, n_buckets=sampler.n_buckets)
     out = {k: m.get(k) for k in COMPARED if k != "loss_roughness"}

@@ -351,13 +351,13 @@ class CoordinatorService:
         deadline = time.monotonic() + timeout
         with self._lock:
             self._paused = True
-            self._pause_t = self.now()
             while self._computing:
                 if self.error is not None:
                     raise RuntimeError(f"coordinator failed: {self.error}") from self.error
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"producers {sorted(self._computing)} still computing after {timeout} s")
                 self._lock.wait(0.1)
+            self._pause_t = self.now()  # after the items in hand: the skipped time is idle for everyone
 
     def unpause(self) -> None:
         """Continue: the clock skips the pause (records read as one run) and parked producers are admitted."""
