@@ -191,14 +191,15 @@ class Shape:
     window: int
     capture_layers: int
     eval_new_tokens: int
+    device: str  # where regenerate and eval run the target ([target] devices; train places ranks itself)
 
 
 def shape_for(plan: Plan) -> Shape:
     if plan.cpu:
         return Shape(max_len=256, seqs_per_item=4, anchors=16, block_size=8, layers=1, min_ready=4, max_depth=12,
-                     window=4, capture_layers=3, eval_new_tokens=16)
+                     window=4, capture_layers=3, eval_new_tokens=16, device="cpu")
     return Shape(max_len=2048, seqs_per_item=4, anchors=512, block_size=16, layers=1, min_ready=8, max_depth=24,
-                 window=8, capture_layers=5 if plan.random_arch != "tiny" else 3, eval_new_tokens=48)
+                 window=8, capture_layers=5 if plan.random_arch != "tiny" else 3, eval_new_tokens=48, device="cuda:0")
 
 
 def write_config(path: Path, *, model: str, data: str, s: Shape, n_target: int, n_drafter: int, min_ready: int,
@@ -226,6 +227,7 @@ policy = "{policy}"
 [target]
 model = {json.dumps(model)}
 capture_layers = {s.capture_layers}
+devices = ["{s.device}"]
 [drafter]
 layers = {s.layers}
 block_size = {s.block_size}
@@ -510,8 +512,8 @@ def run_check(plan: Plan, work: Path) -> dict[str, Any]:
         n_train = plan.regenerate_prompts  # and eval's held-out prompts after them
         dflash(["regenerate", "--config", str(cfg0), "--out", str(out), "--turns", "first", "--limit",
                 str(plan.regenerate_prompts + 2 * plan.eval_prompts), "--max-new-tokens", str(min(256, s.max_len // 2)),
-                "--temperature", "0",
-                *(["--device", "cpu"] if plan.cpu else [])], work / "regenerate.log", env, "regenerate")
+                "--temperature", "0", "--batch-size", "4" if plan.cpu else "64"],  # 64: a few generate calls, not 36
+               work / "regenerate.log", env, "regenerate")
         data = str(out)
         regenerated["path"] = str(out)
     nproc = str(n_target + n_drafter)
