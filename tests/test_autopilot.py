@@ -201,3 +201,17 @@ def test_same_calls_same_decisions():
     cfg = QueueConfig(min_ready=20, max_depth=60, mode="auto")
     runs = [drive(Autopilot(cfg, MIX, seed=4), cfg, grouped_arrivals(6000, run=12))[1] for _ in range(2)]
     assert [(d.t, d.change) for d in runs[0]] == [(d.t, d.change) for d in runs[1]]
+
+
+def test_state_survives_a_resume_as_json():
+    import json
+
+    cfg = QueueConfig(min_ready=30, max_depth=90, mode="auto")
+    ap = Autopilot(cfg, MIX, seed=0)
+    core, decisions = drive(ap, cfg, iid_arrivals(3000))
+    assert decisions
+    state = json.loads(json.dumps(ap.state_dict()))
+    again = Autopilot(cfg, MIX, seed=0)
+    again.load_state_dict(state)
+    assert again.config == ap.config == core.config
+    assert again.interval() == ap.interval() and again.smoothed == ap.smoothed

@@ -372,3 +372,21 @@ class Autopilot:
         self.t_period = t
         self.gate_wait = self.blocked = 0.0
         self.puts = [0] * len(self.mix)
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume keeps: the knobs it set, the measured windows, the smoothed size and the counts.
+        The shadow buffers start empty again (they are rebuilt from the arrivals after the resume), so
+        the first decision after a resume waits ``first_windows`` windows, as at the start."""
+        return {"config": dataclasses.asdict(self.config), "efficiencies": list(self.efficiencies),
+                "open_window": list(self.open_window), "open_items": self.open_items, "smoothed": self.smoothed,
+                "put_bytes": self.put_bytes, "put_items": self.put_items, "decisions": self.decisions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.config = QueueConfig(**state["config"])
+        self.efficiencies = deque(state["efficiencies"], maxlen=self.horizon)
+        self.open_window = list(state["open_window"])
+        self.open_items = int(state["open_items"])
+        self.smoothed = state["smoothed"]
+        self.put_bytes, self.put_items = int(state["put_bytes"]), int(state["put_items"])
+        self.decisions = int(state["decisions"])
