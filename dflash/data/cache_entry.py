@@ -46,19 +46,29 @@ def load_or_build(entry: Path, is_complete: Callable[[Path], bool], build: Calla
     """``load(entry)``, building the entry first (once, under its lock) when it is missing or damaged.
 
     ``build(tmp)`` writes a whole entry into an empty directory, which is then renamed into place,
-    so a reader without the lock sees no entry or a whole one. Returns None when the cache cannot be
-    written (a read-only cache, a full disk): the caller then loads from the source directly.
+    so a reader without the lock sees no entry or a whole one. A damaged entry stays where it is
+    until its replacement is whole (:func:`_swap_in`): lock-free readers of it are not cut off for
+    the length of a build. A load that runs out of memory says nothing about the entry: it is
+    raised, never taken for damage. Returns None when the cache cannot be written (a read-only
+    cache, a full disk): the caller then loads from the source directly.
     """
     if is_complete(entry):
-        with contextlib.suppress(Exception):  # damaged: rebuilt below, under the lock
+        try:
             return load(entry)
+        except MemoryError:
+            raise
+        except Exception:  # damaged: rebuilt below, under the lock
+            pass
     with exclusive(entry) as locked:
         if not locked:
             return None
         if is_complete(entry):  # built by another process while we waited, or damaged
-            with contextlib.suppress(Exception):
+            try:
                 return load(entry)
-        shutil.rmtree(entry, ignore_errors=True)
+            except MemoryError:
+                raise
+            except Exception:  # damaged: replaced below
+                pass
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
         except OSError:
@@ -66,9 +76,23 @@ def load_or_build(entry: Path, is_complete: Callable[[Path], bool], build: Calla
         try:
             build(tmp)
             os.chmod(tmp, 0o755)
-            os.replace(tmp, entry)
+            _swap_in(tmp, entry)
         except OSError:
             return None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return load(entry)
+
+
+def _swap_in(tmp: Path, entry: Path) -> None:
+    """Put the whole new entry ``tmp`` at ``entry``: two renames, then the old entry is deleted. (A
+    directory cannot be renamed over a non-empty one, and deleting the old entry first, before a
+    minutes-long build, cut off the ranks that were reading it: "Unrecognized model ... should have
+    a model_type key" from a drafter rank while a target rank rebuilt the conversion.)"""
+    if not (entry.exists() or entry.is_symlink()):
+        os.replace(tmp, entry)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{entry.name}.old.", dir=entry.parent))
+    os.replace(entry, old / entry.name)
+    os.replace(tmp, entry)
+    shutil.rmtree(old, ignore_errors=True)
