@@ -205,3 +205,96 @@ def test_simulate_refuses_a_split_over_the_gpu_budget(tiny_config: Path, capsys:
     assert main(["simulate", "--config", str(tiny_config), "--n-target", "6"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cluster.gpus = 8" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------- the queue autopilot (#28)
+def test_auto_writes_control_records_with_reasons_and_the_knobs_move(tiny_config: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    out_json, recs, plot = tmp_path / "m.json", tmp_path / "recs", tmp_path / "q.png"
+    assert main(["simulate", "--config", str(tiny_config), "--sim-seconds", "1800", "--queue", "auto",
+                 "--json", str(out_json), "--records", str(recs), "--plot", str(plot)]) == 0
+    stdout = capsys.readouterr().out
+    assert "autopilot:" in stdout and "min_ready does not bind" in stdout  # the example is drafter-bound
+    controls = list(read_records(recs, "control"))
+    assert controls, "the autopilot changed nothing"
+    for r in controls:
+        assert r["source"] == "sim" and r["accepted"] is True and r["source_of_change"] == "autopilot"
+        reason = r["reason"]
+        assert reason["rule"] and len(reason["interval"]) == 2 and reason["knob"] == "max_depth"
+        assert set(r["change"]) <= {"min_ready", "max_depth"}
+    depths = [r["change"]["max_depth"] for r in controls if "max_depth" in r["change"]]
+    assert depths and min(depths) < 90  # it moved off the configured 90
+    data = json.loads(out_json.read_text())
+    assert len(data["controls"]) == len(controls) and data["metrics"]["autopilot_decisions"] == len(controls)
+    assert plot.stat().st_size > 10_000
+
+
+def _runs(name: str, queue: dict, seeds: tuple[int, ...], sim_seconds: float, lognormal: bool = True) -> list[dict]:
+    out = []
+    for seed in seeds:
+        ov = {"seed": seed, "metrics.warmup_s": 600.0, **queue}
+        cfg = example(name, **ov) if lognormal else with_overrides(load_config(EXAMPLES / name), ov)
+        sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size)
+        out.append(simulate(cfg, sampler, sim_seconds=sim_seconds).metrics)
+    return out
+
+
+def _cheapest_static(name: str, seeds: tuple[int, ...], sim_seconds: float, lognormal: bool = True
+                     ) -> tuple[int, list[dict]]:
+    """The cheapest static random_item pair m/3m (m = 5..30) meeting 0.95 on every seed."""
+    for m in (5, 10, 15, 20, 25, 30):
+        runs = _runs(name, {"queue.min_ready": m, "queue.max_depth": 3 * m}, seeds, sim_seconds, lognormal)
+        if all(r["mix_efficiency"] >= 0.95 for r in runs):
+            return m, runs
+    raise AssertionError("no static pair meets 0.95")
+
+
+def test_auto_holds_the_goal_near_the_cheapest_static_memory_lognormal() -> None:
+    """Target-bound (lognormal lengths, fast): no calibration, no sweep, and the goal on every seed
+    with at most 1.25x the memory of the cheapest static pair that meets it (1.08-1.24x measured
+    here: auto starts at 30/90 and comes down at the stated rate) and the same throughput."""
+    seeds = (0, 1, 2)
+    m, static = _cheapest_static("h200-target-bound.toml", seeds, 3600.0)
+    auto = _runs("h200-target-bound.toml", {"queue.mode": "auto"}, seeds, 3600.0)
+    for a, s in zip(auto, static, strict=True):
+        assert a["mix_efficiency"] >= 0.95
+        assert a["mean_queue_bytes"] <= 1.25 * s["mean_queue_bytes"], m
+        assert a["throughput_tokens_per_s"] >= 0.99 * s["throughput_tokens_per_s"]
+
+
+def test_auto_on_a_drafter_bound_run_settles_on_a_small_depth_and_leaves_min_ready() -> None:
+    auto = _runs("h200-8b-drafter-bound.toml", {"queue.mode": "auto"}, (0, 1), 3600.0)
+    static = _runs("h200-8b-drafter-bound.toml", {"queue.min_ready": 10, "queue.max_depth": 30}, (0, 1), 3600.0)
+    for a, s in zip(auto, static, strict=True):
+        assert a["final_max_depth"] <= 30 and a["final_min_ready"] <= a["final_max_depth"]
+        assert a["mean_queue_bytes"] < s["mean_queue_bytes"]
+        assert a["throughput_tokens_per_s"] >= 0.99 * s["throughput_tokens_per_s"]
+        assert a["drafter_gate_wait_frac"] <= 0.01
+
+
+@pytest.mark.slow
+def test_done_when_auto_on_the_target_bound_example_one_hour_three_seeds() -> None:
+    """Issue #28's done-when on the packaged ShareGPT lengths (tokenised once): warmup_s = 600, one
+    simulated hour, seeds 0, 1, 2: mix_efficiency >= 0.95 on each, mean queue memory within 10% of the
+    cheapest static random_item pair (min-ready 5..30, max depth 3x; 25/75) on each, throughput within 1%."""
+    seeds = (0, 1, 2)
+    m, static = _cheapest_static("h200-target-bound.toml", seeds, 3600.0, lognormal=False)
+    assert m == 25
+    auto = _runs("h200-target-bound.toml", {"queue.mode": "auto"}, seeds, 3600.0, lognormal=False)
+    for a, s in zip(auto, static, strict=True):
+        assert a["mix_efficiency"] >= 0.95
+        assert a["mean_queue_bytes"] <= 1.10 * s["mean_queue_bytes"]
+        assert a["throughput_tokens_per_s"] >= 0.99 * s["throughput_tokens_per_s"]
+        assert a["autopilot_decisions"] > 0
+
+
+def test_mid_run_changes_replace_the_item_stream_and_scale_target_costs() -> None:
+    cfg = example("h200-target-bound.toml")
+    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size)
+    base = simulate(cfg, sampler, sim_seconds=900.0).metrics["throughput_tokens_per_s"]
+    slower = simulate(cfg, sampler, sim_seconds=900.0, target_cost=lambda t: 2.0).metrics["throughput_tokens_per_s"]
+    assert slower == pytest.approx(base / 2, rel=0.1)  # target-bound: half the supply, half the throughput
+    common = max(range(sampler.n_buckets), key=sampler.item_mix().__getitem__)
+    one_bucket = (spec for spec in sampler.iter_items() if spec.bucket == common)
+    res = simulate(cfg, sampler, sim_seconds=900.0, items=one_bucket, keep_records=True)
+    assert {r["bucket"] for r in res.take} == {common}
