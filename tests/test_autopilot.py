@@ -215,3 +215,17 @@ def test_state_survives_a_resume_as_json():
     again.load_state_dict(state)
     assert again.config == ap.config == core.config
     assert again.interval() == ap.interval() and again.smoothed == ap.smoothed
+
+
+@pytest.mark.parametrize(("flags", "needles"), [
+    (["--queue", "autopilot"], ["queue.mode", "--queue", "static, auto"]),
+    (["--target-mix", "0"], ["queue.target_mix_efficiency", "--target-mix"]),
+    (["--target-mix", "2"], ["queue.target_mix_efficiency", "--target-mix"]),
+    (["--target-mix", "high"], ["queue.target_mix_efficiency", "--target-mix"]),
+])
+def test_bad_autopilot_flags_are_one_line_exit_2(flags, needles, capsys):
+    from dflash.cli import main
+
+    assert main(["simulate", "--config", "examples/h200-target-bound.toml", "--sim-seconds", "10", *flags]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and all(n in lines[0] for n in needles), lines
