@@ -66,8 +66,8 @@ def format_autopilot(controls: list[dict[str, Any]], m: dict[str, Any]) -> str:
     if not controls:
         return f"autopilot: no change ({end})"
     last = controls[-1]["reason"]
-    return (f"autopilot: {len(controls)} changes, ended at {end} ({last['bound']}-bound: "
-            f"{'min_ready sets the mix' if last['min_ready_binds'] else 'min_ready does not bind, max_depth sets the mix'}"
+    knob = "min_ready sets the mix" if last["min_ready_binds"] else "min_ready does not bind, max_depth sets the mix"
+    return (f"autopilot: {len(controls)} changes, ended at {end} ({last['bound']}-bound: {knob}"
             f"; last: {last['rule']} at t {controls[-1]['t']:.0f} s); control records with --records")
 
 
