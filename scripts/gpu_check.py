@@ -526,26 +526,24 @@ def run_check(plan: Plan, work: Path) -> dict[str, Any]:
     log1 = dflash(["train", "--config", str(cfg1), "--out", str(run1), "--max-minutes", str(plan.minutes),
                    "--wandb", "disabled", "--nproc-per-node", nproc], work / "train1.log", env, "train", sampler)
     metrics1 = json.loads((run1 / "metrics.json").read_text())
+    failed: list[str] = []  # later steps that failed: their keys are null with the step's line as the reason
     # 2. eval tau on held-out prompts
     eval_json = work / "eval.json"
-    dflash(["eval", "--drafter", str(run1), "--prompts", str(plan.eval_prompts), "--json", str(eval_json)],
-           work / "eval.log", env, "eval")
-    ev = json.loads(eval_json.read_text())
+    try:
+        dflash(["eval", "--drafter", str(run1), "--prompts", str(plan.eval_prompts), "--json", str(eval_json)],
+               work / "eval.log", env, "eval")
+        ev = json.loads(eval_json.read_text())
+    except StepFailed as exc:
+        failed.append(str(exc))
+        ev = {"tau": None, "tau_ci95": None, "reason": str(exc)}
     # 3. calibrate from that run; 4. predict a second configuration; 5. run it
-    calib = work / "calibration.json"
-    dflash(["calibrate", "--run", str(run1), "--out", str(calib)], work / "calibrate.log", env, "calibrate")
     knobs = {"min_ready": max(1, s.min_ready // 4), "max_depth": max(2, s.max_depth // 2), "policy": "fifo"}
-    cfg2 = write_config(work / "run2.toml", model=model, data=data, s=s, n_target=n_target, n_drafter=n_drafter,
-                        train_conversations=n_train, **knobs)
-    pred_json = work / "predicted.json"
-    dflash(["simulate", "--config", str(cfg2), "--calibration", str(calib), "--sim-seconds",
-            str(plan.minutes * 60), "--json", str(pred_json)], work / "simulate.log", env, "simulate (predict)")
-    run2 = work / "run2"
-    dflash(["train", "--config", str(cfg2), "--out", str(run2), "--max-minutes", str(plan.minutes), "--wandb",
-            "disabled", "--nproc-per-node", nproc], work / "train2.log", env, "train (second configuration)")
-    metrics2 = json.loads((run2 / "metrics.json").read_text())
-    predicted = json.loads(pred_json.read_text())
-    predicted = predicted.get("metrics", predicted)
+    try:
+        fid = predict_and_run(work, env, plan, s, run1, model, data, n_target, n_drafter, n_train, knobs)
+    except StepFailed as exc:
+        failed.append(str(exc))
+        fid = fidelity({}, {}, knobs)
+        fid["reason"] = str(exc)
     summary1 = (read_records(run1, "summary") or [{}])[-1]
     return {
         "gpu": gpu_info(plan.gpus),
@@ -557,15 +555,36 @@ def run_check(plan: Plan, work: Path) -> dict[str, Any]:
         "peak_memory_bytes": peak_memory(run1, sampler, plan.gpus > 0),
         "tau": _finite(ev.get("tau")),
         "tau_ci95": ev.get("tau_ci95"),
-        "fidelity": fidelity(predicted, metrics2, knobs),
+        **({"tau_reason": ev["reason"]} if "reason" in ev else {}),
+        "fidelity": fid,
         "data_plane": data_plane(run1, log1),
         "regenerated_data": regenerated,
         "mix_efficiency": _finite(metrics1.get("mix_efficiency")),
         "steps": summary1.get("steps"),
         "ranks": {"n_target": n_target, "n_drafter": n_drafter},
         "target": plan.target, "data": data, "minutes_per_run": plan.minutes,
-        "work_dir": str(work) if plan.keep else None,
+        "work_dir": str(work) if plan.keep or failed else None,
+        "failed_steps": failed,
     }
+
+
+def predict_and_run(work: Path, env: dict[str, str], plan: Plan, s: Shape, run1: Path, model: str, data: str,
+                    n_target: int, n_drafter: int, n_train: int, knobs: dict[str, Any]) -> dict[str, Any]:
+    """Calibrate from ``run1``, predict the configuration ``knobs`` with the simulator, train it for
+    as long as ``run1`` and compare (:func:`fidelity`)."""
+    calib = work / "calibration.json"
+    dflash(["calibrate", "--run", str(run1), "--out", str(calib)], work / "calibrate.log", env, "calibrate")
+    cfg2 = write_config(work / "run2.toml", model=model, data=data, s=s, n_target=n_target, n_drafter=n_drafter,
+                        train_conversations=n_train, **knobs)
+    pred_json = work / "predicted.json"
+    dflash(["simulate", "--config", str(cfg2), "--calibration", str(calib), "--sim-seconds",
+            str(plan.minutes * 60), "--json", str(pred_json)], work / "simulate.log", env, "simulate (predict)")
+    run2 = work / "run2"
+    dflash(["train", "--config", str(cfg2), "--out", str(run2), "--max-minutes", str(plan.minutes), "--wandb",
+            "disabled", "--nproc-per-node", str(n_target + n_drafter)], work / "train2.log", env,
+           "train (second configuration)")
+    predicted = json.loads(pred_json.read_text())
+    return fidelity(predicted.get("metrics", predicted), json.loads((run2 / "metrics.json").read_text()), knobs)
 
 
 def print_summary(res: dict[str, Any]) -> None:
@@ -609,6 +628,10 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(res, indent=1, default=str))
         os.replace(tmp, plan.json_out)
         print(f"gpu_check: {plan.json_out}")
+    if res["failed_steps"]:
+        for line in res["failed_steps"]:
+            print(line, file=sys.stderr)
+        return 1  # the figures that were measured are written; the work directory stays for the logs
     if not plan.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0
