@@ -282,19 +282,40 @@ class Sampler:
             self.stop.wait(1.0)
 
     def _nvidia_smi(self) -> None:
-        q = ["nvidia-smi", "--query-gpu=index,utilization.gpu,power.draw,memory.used", "--format=csv,noheader,nounits"]
+        def query(*args: str) -> str:
+            return subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True,
+                                  text=True, timeout=10).stdout
+
         try:
-            for line in subprocess.run(q, capture_output=True, text=True, timeout=10).stdout.strip().splitlines():
-                i, util, power, used = (x.strip() for x in line.split(","))
-                self.gpu_samples.append({"gpu": int(i), "util": _num(util), "power_w": _num(power),
-                                         "used_mib": _num(used)})
-            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
-            for line in apps.strip().splitlines():
-                pid, used = (x.strip() for x in line.split(","))
-                self.gpu_mem[int(pid)] = max(self.gpu_mem[int(pid)], int(float(used) * 2**20))
-        except (OSError, ValueError, subprocess.TimeoutExpired):
+            self.gpu_samples += parse_gpu_csv(query("--query-gpu=index,utilization.gpu,power.draw,memory.used"))
+            for pid, used in parse_apps_csv(query("--query-compute-apps=pid,used_memory")).items():
+                self.gpu_mem[pid] = max(self.gpu_mem[pid], used)
+        except (OSError, subprocess.TimeoutExpired):
             pass
+
+
+def parse_gpu_csv(text: str) -> list[dict[str, Any]]:
+    """``nvidia-smi --query-gpu=index,utilization.gpu,power.draw,memory.used --format=csv,noheader,nounits``
+    -> one sample per GPU; a value nvidia-smi cannot read (``[N/A]``) is None."""
+    out = []
+    for line in text.strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 4 and parts[0].isdigit():
+            out.append({"gpu": int(parts[0]), "util": _num(parts[1]), "power_w": _num(parts[2]),
+                        "used_mib": _num(parts[3])})
+    return out
+
+
+def parse_apps_csv(text: str) -> dict[int, int]:
+    """``nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`` -> bytes per pid
+    (lines without a readable number are left out)."""
+    out: dict[int, int] = {}
+    for line in text.strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        used = _num(parts[1]) if len(parts) == 2 and parts[0].isdigit() else None
+        if used is not None:
+            out[int(parts[0])] = max(out.get(int(parts[0]), 0), int(used * 2**20))
+    return out
 
 
 def _num(x: str) -> float | None:

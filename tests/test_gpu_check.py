@@ -87,3 +87,18 @@ def test_the_cpu_check_writes_every_key_of_the_acceptance_json(tmp_path):
     assert isinstance(res["data_plane"], str) and res["data_plane"]
     assert res["regenerated_data"]["path"] is None and "random target" in res["regenerated_data"]["reason"]
     assert wall < 420, f"{wall:.0f} s"  # the goal is < 3 minutes on an idle 2-core machine; this bounds a loaded one
+
+
+def test_nvidia_smi_samples_are_parsed_per_gpu_and_per_process_and_summarised():
+    """The GPU-only readers, on nvidia-smi's csv,noheader,nounits format (N/A where a board cannot say)."""
+    gc = load_script()
+    samples = gc.parse_gpu_csv("0, 14, 174.32, 26012\n1, 71, [N/A], 30000\n")
+    assert samples == [{"gpu": 0, "util": 14.0, "power_w": 174.32, "used_mib": 26012.0},
+                       {"gpu": 1, "util": 71.0, "power_w": None, "used_mib": 30000.0}]
+    assert gc.parse_apps_csv("4242, 1024\n4243, [N/A]\nNo running processes found\n") == {4242: 2**30}
+    sampler = gc.Sampler(gpus=2)
+    sampler.gpu_samples = samples + gc.parse_gpu_csv("0, 40, 180.0, 26100\n")
+    nv = gc.nvml_summary(sampler, 2, Path("/nonexistent-run"))
+    assert nv["utilisation_pct_mean"] == pytest.approx((14 + 71 + 40) / 3) and nv["utilisation_pct_max"] == 71
+    assert nv["power_w_mean"] == pytest.approx((174.32 + 180.0) / 2)  # N/A left out, not counted as 0
+    assert nv["per_gpu"]["0"]["memory_used_mib_max"] == 26100 and "reason" not in nv
