@@ -31,9 +31,10 @@ JOB_TIMEOUT_S = 240
 ENV = {**os.environ, "DFLASH_CHECK_TRANSFERS": "1", "DFLASH_WAIT_S": "60", "OMP_NUM_THREADS": "1"}
 
 
-def dflash(*args: str, timeout: float = JOB_TIMEOUT_S, run: Path | None = None) -> subprocess.CompletedProcess:
+def dflash(*args: str, timeout: float = JOB_TIMEOUT_S, run: Path | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``dflash ...``; a job past its timeout is killed and fails naming what its ranks waited for."""
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", *args], cwd=ROOT, env=ENV, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", *args], cwd=ROOT, env={**ENV, **(env or {})}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -82,12 +83,21 @@ def one_plus_two(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> tuple[
     res = dflash("train", "--config", str(cfg), "--out", str(run), "--n-target", "1", "--n-drafter", "2",
                  "--nproc-per-node", "3", "--wandb", "disabled", run=run)
     assert res.returncode == 0, res.stderr
+    assert res.stdout.count("data plane: shm (") == 1  # CPU ranks of one node share memory, said once
     return cfg, run
 
 
 def test_one_target_two_drafters_train_every_item_once_on_three_processes(one_plus_two) -> None:
     cfg, run = one_plus_two
     s = assert_books_balance(run, 1, 2)
+    steps = list(read_records(run, "step"))
+    want = {"gate_wait_s", "transfer_s", "drafter_forward_s", "drafter_backward_s", "drafter_compute_s", "optimizer_s"}
+    for r in steps:  # every drafter rank's stages, each a time
+        assert set(r["rank_stages"]) == {"1", "2"}
+        for st in r["rank_stages"].values():
+            assert want <= set(st) or "transfer_s" not in st, st  # a rank with an empty take has no transfer
+            assert all(v >= 0 for v in st.values())
+    assert any(want <= set(st) for r in steps for st in r["rank_stages"].values())
     assert s["stopped_by"] == "data" and s["discarded_at_stop"] == 0
     taken = [i for r in read_records(run, "take") for i in r["item_ids"]]
     assert Counter(taken) == Counter(epoch_items(cfg))  # the whole epoch, each item exactly once
@@ -100,8 +110,9 @@ def test_two_targets_two_drafters_balance_their_books(tmp_path: Path, run_inputs
     cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=8, checkpoint_every=4)
     run = tmp_path / "run"
     res = dflash("train", "--config", str(cfg), "--out", str(run), "--n-target", "2", "--n-drafter", "2",
-                 "--wandb", "disabled", run=run)
+                 "--wandb", "disabled", run=run, env={"DFLASH_DATA_PLANE": "gloo"})  # the copying plane
     assert res.returncode == 0, res.stderr
+    assert "data plane: gloo (" in res.stdout
     s = assert_books_balance(run, 2, 2)
     assert s["stopped_by"] == "max_steps" and s["trained"] == 16
     assert "export for serving: dflash export --drafter" in res.stdout

@@ -23,31 +23,33 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash.pipeline.roles import DATA_GLOO, DATA_HOST, DATA_NCCL, DATA_SHM
+from dflash.pipeline.roles import DATA_GLOO, DATA_HOST, DATA_IPC, DATA_NCCL, DATA_SHM
 from dflash.pipeline.transport import POOL_BUFFERS, BufferPool, Lease, describe, make_transport
 
 PLANES = (DATA_GLOO, DATA_HOST, DATA_NCCL, DATA_SHM)
+CUDA_PLANES = (DATA_HOST, DATA_IPC)  # two ranks sharing cuda:0 (run where a GPU is)
 SIZES = (3, 7, 5, 7, 2, 9, 3, 9, 5, 2)  # tokens per item: several buffer sizes, each size seen again later
 ROUNDS = 2 * len(SIZES)  # the second pass meets only sizes the pool has seen
 TIMEOUT_S = 60
 
 
-def payload(r: int) -> tuple[torch.Tensor, ...]:
+def payload(r: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:
     n = SIZES[r % len(SIZES)]
     hidden = torch.arange(n * 16, dtype=torch.float32).reshape(1, n, 16) + 1000 * r
-    return hidden, torch.full((1, n), r, dtype=torch.long), torch.ones(1, n, dtype=torch.bool)
+    return tuple(t.to(device) for t in (hidden, torch.full((1, n), r, dtype=torch.long),
+                                        torch.ones(1, n, dtype=torch.bool)))
 
 
-def _producer(plane: str) -> dict:
+def _producer(plane: str, device: str) -> dict:
     """Posts every round at once and waits for them in round order, two behind (as the producer's reader and
     sender threads do), so the drafter can hold two items."""
-    transport = make_transport(plane, torch.device("cpu"))
+    transport = make_transport(plane, torch.device(device))
     held_until_ack, posted = True, []
     for r in range(ROUNDS):
         if r == len(SIZES):
             first_pass = pool_of(transport).allocated
-        posted.append(transport.post_send(payload(r), 1, r + 1))
-        if plane == DATA_SHM and r == 0:  # the drafter has the item but has not released it yet
+        posted.append(transport.post_send(payload(r, device), 1, r + 1))
+        if plane in (DATA_SHM, DATA_IPC) and r == 0:  # the drafter has the item but has not released it yet
             dist.barrier()
             held_until_ack = not posted[0].works[1].is_completed() and transport.send_pool.free == 0
             dist.barrier()
@@ -58,20 +60,20 @@ def _producer(plane: str) -> dict:
     return {"held_until_ack": held_until_ack, "new_in_second_pass": pool_of(transport).allocated - first_pass}
 
 
-def _drafter(plane: str) -> dict:
-    transport = make_transport(plane, torch.device("cpu"))
+def _drafter(plane: str, device: str) -> dict:
+    transport = make_transport(plane, torch.device(device))
     held: list[tuple[int, Lease]] = []
     for r in range(ROUNDS):
         if r == len(SIZES):
             first_pass = pool_of(transport).allocated
         lease, _ = transport.recv(describe(payload(r)), 0, r + 1)
-        if plane == DATA_SHM and r == 0:
+        if plane in (DATA_SHM, DATA_IPC) and r == 0:
             dist.barrier()
             dist.barrier()
         held.append((r, lease))
         if len(held) == 2:  # a take of two items, released newest first
             for k, got in reversed(held):
-                for a, b in zip(got.tensors, payload(k), strict=True):
+                for a, b in zip(got.tensors, payload(k, device), strict=True):
                     assert torch.equal(a, b), f"item {k} arrived with another item's content"
                 transport.release(got)
                 try:
@@ -89,13 +91,13 @@ def pool_of(transport: Any) -> BufferPool:
     return getattr(transport, "send_pool", transport.pool)
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, port: int, out: str, device: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     results = {}
-    for plane in PLANES:
+    for plane in PLANES if device == "cpu" else CUDA_PLANES:
         try:
-            results[plane] = (_producer if rank == 0 else _drafter)(plane)
+            results[plane] = (_producer if rank == 0 else _drafter)(plane, device)
         except Exception:
             results[plane] = {"error": traceback.format_exc()}
             break  # the peer may now wait on this rank: the process group timeout ends it
@@ -104,19 +106,30 @@ def _rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def planes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def _run(tmp_path_factory: pytest.TempPathFactory, device: str, planes: tuple[str, ...]) -> dict[str, dict]:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path_factory.mktemp("pool")
-    mp.start_processes(_rank, args=(port, str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(port, str(out), device), nprocs=2, start_method="spawn")
     producer, drafter = (json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1))
     return {p: {**producer.get(p, {"error": "not reached"}), **{f"drafter_{k}": v for k, v in
                                                                drafter.get(p, {"error": "not reached"}).items()}}
-            for p in PLANES}
+            for p in planes}
+
+
+@pytest.fixture(scope="module")
+def planes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return _run(tmp_path_factory, "cpu", PLANES)
+
+
+@pytest.fixture(scope="module")
+def cuda_planes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU: the CUDA IPC and device-staged planes run where one is")
+    return _run(tmp_path_factory, "cuda:0", CUDA_PLANES)
 
 
 @pytest.mark.parametrize("plane", PLANES)
@@ -127,6 +140,15 @@ def test_items_of_several_sizes_arrive_intact_and_their_buffers_are_reused(plane
     assert got["drafter_free"] <= POOL_BUFFERS
     if plane == DATA_SHM:  # nothing pooled on the drafter: it maps the producer's pooled buffers
         assert got["drafter_allocated"] == 0
+
+@pytest.mark.parametrize("plane", CUDA_PLANES)
+def test_on_one_shared_gpu_items_arrive_intact_and_their_buffers_are_reused(cuda_planes: dict, plane: str) -> None:
+    got = cuda_planes[plane]
+    assert "error" not in got and "drafter_error" not in got, got.get("error") or got.get("drafter_error")
+    assert got["new_in_second_pass"] == 0 and got["drafter_new_in_second_pass"] == 0, got
+    if plane == DATA_IPC:
+        assert got["held_until_ack"] and got["drafter_allocated"] == 0
+
 
 def test_a_shared_item_stays_with_its_producer_until_the_drafter_releases_it(planes: dict) -> None:
     got = planes[DATA_SHM]

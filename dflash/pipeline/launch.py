@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash.core.config import DflashConfig
-from dflash.pipeline.rank import LAUNCHED_BY_DFLASH, RANKS_DIR, RunSpec, archive_tracebacks, rank_main
-from dflash.pipeline.roles import check_world, data_plane
+from dflash.pipeline.rank import DATA_PLANE_ENV, LAUNCHED_BY_DFLASH, RANKS_DIR, RunSpec, archive_tracebacks, rank_main
+from dflash.pipeline.roles import check_world, choose_plane, data_plane
 
 _QUIET_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing",
                   "torch.distributed.run")
@@ -43,7 +43,9 @@ def check_launch(cfg: DflashConfig, nproc_per_node: int | None) -> int:
         local = nproc_per_node if nproc_per_node is not None else n_t + n_d
         check_world(n_t, n_d, local, what="--nproc-per-node" if nproc_per_node is not None
                     else "number of processes started on this node")
-    data_plane(_cuda_devices(), local)
+    one_node = not under_launcher() or local == int(os.environ["WORLD_SIZE"])
+    choose_plane(data_plane(_cuda_devices(), local), one_node=one_node,
+                 requested=os.environ.get(DATA_PLANE_ENV, "auto"))
     return local
 
 

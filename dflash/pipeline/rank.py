@@ -16,6 +16,7 @@ the run moves it to ``RUN/.ranks/earlier/`` (:func:`archive_tracebacks`) instead
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -38,8 +39,18 @@ from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 from dflash.core.precision import autocast_on, state_dtype_name
 from dflash.pipeline.channel import Channel, connect
-from dflash.pipeline.roles import DATA_NCCL, Roles, check_world, data_plane, device_for
-from dflash.pipeline.transport import make_transport
+from dflash.pipeline.roles import (
+    DATA_NCCL,
+    FALLBACK,
+    Roles,
+    check_world,
+    choose_plane,
+    data_plane,
+    device_for,
+    plane_line,
+)
+from dflash.pipeline.stageclock import StageClock
+from dflash.pipeline.transport import make_transport, probe_sharing
 from dflash.pipeline.workers import (
     STOP_MAX_MINUTES,
     STOP_MAX_STEPS,
@@ -53,6 +64,8 @@ from dflash.pipeline.workers import (
 )
 
 RANKS_DIR = ".ranks"
+NVML_INTERVAL_S = 1.0  # power, clocks and utilisation of each rank's GPU, sampled this often
+DATA_PLANE_ENV = "DFLASH_DATA_PLANE"  # auto (default) or a plane the placement allows (roles.choose_plane)
 LAUNCHED_BY_DFLASH = "DFLASH_LAUNCHER"  # set by dflash's own launcher: its parent prints the rank's error
 
 
@@ -82,6 +95,7 @@ def roles_from_env(cfg: DflashConfig) -> Roles:
 def rank_main(spec: RunSpec) -> int:
     """The entry of every rank (a spawned process of the launcher, or a torchrun worker)."""
     _die_with_parent()
+    _keep_fds_from_helpers()
     out = Path(spec.out)
     (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
@@ -133,6 +147,17 @@ def archive_tracebacks(ranks_dir: Path, rank: int | None = None) -> None:
         os.replace(f, dest)
 
 
+def _keep_fds_from_helpers() -> None:
+    """Helper programs a rank starts (torch's ``torch_shm_manager``, used by CUDA IPC's ref counters)
+    must not inherit the launcher's pipes: the launcher learns that a rank died when the rank's end of
+    its sentinel pipe closes, and a daemon holding a copy hides the death (a killed rank hung the job)."""
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        fd = int(name)
+        if fd > 2:
+            with contextlib.suppress(OSError):  # an fd closed since the listing
+                os.set_inheritable(fd, False)
+
+
 def _die_with_parent() -> None:
     """A rank dies with the process that started it (a killed launcher leaves no orphans)."""
     try:
@@ -158,7 +183,9 @@ class RankRun:
     # ------------------------------------------------------------------ set-up
     def run(self) -> int:
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        self.plane = data_plane(cuda, self.roles.local_world_size)
+        one_node = self.roles.local_world_size == self.roles.world_size
+        self.plane = choose_plane(data_plane(cuda, self.roles.local_world_size), one_node=one_node,
+                                  requested=os.environ.get(DATA_PLANE_ENV, "auto"))
         self.device = torch.device(device_for(self.roles.local_rank, cuda))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -173,8 +200,10 @@ class RankRun:
             self.drafter_group = dist.new_group(self.roles.drafter_ranks)
             if self.plane == DATA_NCCL:  # NCCL point-to-point: the world's first NCCL call must involve every rank
                 dist.all_reduce(torch.zeros(1, device=self.device))
-            if self.roles.is_coordinator and self.plane == "host":
-                self.progress("one GPU is shared by this node's ranks: hidden states go through host memory (gloo)")
+            refused = probe_sharing(self.plane, self.device) if self.plane in FALLBACK else None
+            if refused is not None:
+                self.plane = FALLBACK[self.plane]
+            self.progress(plane_line(self.plane, refused))
             self._load()
             info = self._host_setup() if self.roles.is_coordinator else None
             box = [info]
@@ -253,7 +282,7 @@ class RankRun:
             from dflash.pipeline.telemetry import NvmlSampler
 
             warn = self.progress if self.roles.is_coordinator else (lambda _m: None)
-            self._gpus = NvmlSampler(5.0, indices=[self.device.index or 0], warn=warn).start()
+            self._gpus = NvmlSampler(NVML_INTERVAL_S, indices=[self.device.index or 0], warn=warn).start()
         return self._gpus.drain()
 
     def _install_signal_handlers(self) -> None:
@@ -267,12 +296,13 @@ class RankRun:
     # ------------------------------------------------------------------ target
     def _run_producer(self) -> None:
         transport = make_transport(self.plane, self.device)
+        clock = StageClock(self.device)
 
         def make(spec: Any) -> tuple[torch.Tensor, ...]:
-            return capture_item(self.data, self.target, self.capture, spec, self.device, self.state_dtype)
+            return capture_item(self.data, self.target, self.capture, spec, self.device, self.state_dtype, clock)
 
         Producer(self.channel, transport, make, self.sampler.item, check=self.spec.check_transfers,
-                 status=self.status, gpu=self.gpu_samples).run()
+                 status=self.status, gpu=self.gpu_samples, clock=clock).run()
         self.status("finished")
 
     # ------------------------------------------------------------------ drafter

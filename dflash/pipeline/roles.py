@@ -121,6 +121,21 @@ def choose_plane(placement: str, *, one_node: bool, requested: str = "auto") -> 
     return requested
 
 
+PLANE_SAYS = {
+    DATA_GLOO: "hidden states are copied between ranks over gloo",
+    DATA_SHM: "CPU ranks of one node share memory: only a handle travels per item (gloo)",
+    DATA_NCCL: "hidden states go device to device over NCCL",
+    DATA_HOST: "one GPU is shared by this node's ranks: hidden states go through host memory (gloo)",
+    DATA_IPC: "one GPU is shared by this node's ranks: the drafter maps the producer's memory (CUDA IPC)",
+}
+
+
+def plane_line(plane: str, refused: str | None = None) -> str:
+    """The run's one line about its data plane (with why sharing was refused, when it was)."""
+    line = f"data plane: {plane} ({PLANE_SAYS[plane]})"
+    return line + (f"; sharing was refused ({refused}), so this is the fallback" if refused else "")
+
+
 def device_for(local_rank: int, cuda_devices: int) -> str:
     """The device rule: cuda:LOCAL_RANK (cuda:0 when one GPU is shared), else cpu."""
     if cuda_devices <= 0:

@@ -13,7 +13,7 @@ Five kinds, one interface (:class:`Transport`), chosen by placement (:mod:`dflas
   where CUDA IPC is refused: NCCL refuses two ranks on one device);
 - ``cuda-ipc`` and ``shm``: ranks of one node *share* the producer's buffer instead of copying it
   (:class:`SharingTransport`). The producer packs the item into a pooled shared buffer (device memory
-  for CUDA IPC, a ``/dev/shm`` file for shm) and sends only its handle (a small uint8 tensor over
+  for CUDA IPC, an anonymous shared-memory file for shm) and sends only its handle (a small uint8 tensor over
   gloo, in the item's round); the drafter maps the buffer (once per buffer: mappings are cached) and
   trains on views of it; its :meth:`Transport.release` sends a one-byte ack back (tag derived from
   the round), and only then does the producer's sender thread return the buffer to its pool. So the
@@ -27,6 +27,7 @@ no ``id()`` of a derived tensor is kept, which is what crashed the first GPU run
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import threading
 import time
@@ -108,9 +109,11 @@ class BufferPool:
     """
 
     def __init__(self, device: torch.device, keep: int = POOL_BUFFERS,
-                 make: Callable[[int], torch.Tensor] | None = None) -> None:
+                 make: Callable[[int], torch.Tensor] | None = None,
+                 drop: Callable[[torch.Tensor], None] | None = None) -> None:
         self.device, self.keep = device, keep
         self._make = make or (lambda n: torch.empty(n, dtype=torch.uint8, device=device))
+        self._drop = drop  # called for a buffer the pool lets go of (a shared buffer closes its handle)
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.allocated = 0
@@ -132,7 +135,9 @@ class BufferPool:
                 raise RuntimeError("a pooled buffer was given back twice")
             self._free.append(buf)
             if len(self._free) > self.keep:  # keep the largest: they fit every item the smaller ones fit
-                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+                dropped = self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+                if self._drop is not None:
+                    self._drop(dropped)
 
     @property
     def free(self) -> int:
@@ -284,7 +289,7 @@ class SharingTransport(Transport):
 
     def __init__(self, device: torch.device, group: Any = None) -> None:
         super().__init__(device, group)
-        self.send_pool = BufferPool(device, make=self._shareable)  # producer side: shared buffers
+        self.send_pool = BufferPool(device, make=self._shareable, drop=self._unshare)  # producer side: shared
         self._mapped: dict[int, OrderedDict[Any, torch.Tensor]] = {}  # drafter side: per producer, LRU
 
     # -- the producer
@@ -339,6 +344,9 @@ class SharingTransport(Transport):
     def _shareable(self, n: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def _unshare(self, buf: torch.Tensor) -> None:
+        """The producer's pool let go of ``buf`` (drafters that mapped it keep their mapping until they drop it)."""
+
     def _handle(self, buf: torch.Tensor) -> tuple[Any, Any]:
         raise NotImplementedError
 
@@ -347,25 +355,50 @@ class SharingTransport(Transport):
 
 
 class ShmTransport(SharingTransport):
-    """CPU ranks of one node: the producer's buffer is a shared-memory file (torch's file_system sharing,
-    which works between processes not forked from each other); the drafter maps it by name."""
+    """CPU ranks of one node: the producer's buffer is an anonymous shared-memory file (``memfd``), which a
+    drafter maps through ``/proc/<producer pid>/fd/<fd>``.
+
+    Not torch's own CPU sharing (``file_system``): that starts a ``torch_shm_manager`` daemon per rank,
+    which inherits the launcher's process sentinel, so a rank killed by a signal is not seen as dead
+    while its manager lives (a killed drafter hung the job). A memfd needs no daemon and leaves nothing
+    behind: its memory is freed when the last process holding it exits or unmaps it, however it ends.
+    A handle is (pid, fd, size, serial); the serial keeps a drafter's mapping cache right when a closed
+    fd number is reused for a new buffer.
+    """
 
     kind = DATA_SHM
 
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        super().__init__(device, group)
+        self._fds: list[tuple[torch.Tensor, int, int]] = []  # (buffer, fd, serial), found by identity
+        self._serial = 0
+        self._fd_lock = threading.Lock()  # buffers are made and shared in one thread, dropped in another
+
     def _shareable(self, n: int) -> torch.Tensor:
-        buf = torch.empty(n, dtype=torch.uint8)
-        buf.untyped_storage()._share_filename_cpu_()
+        fd = os.memfd_create("dflash-item")
+        os.ftruncate(fd, n)
+        buf = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=n, dtype=torch.uint8)
+        with self._fd_lock:
+            self._serial += 1
+            self._fds.append((buf, fd, self._serial))
         return buf
 
+    def _unshare(self, buf: torch.Tensor) -> None:
+        with self._fd_lock:
+            i = next(i for i, (b, _, _) in enumerate(self._fds) if b is buf)
+            os.close(self._fds.pop(i)[1])
+
     def _handle(self, buf: torch.Tensor) -> tuple[Any, Any]:
-        manager, name, size = buf.untyped_storage()._share_filename_cpu_()  # already shared: its name again
-        return (manager, name), (manager, name, size)
+        with self._fd_lock:
+            fd, serial = next((fd, serial) for b, fd, serial in self._fds if b is buf)
+        pid = os.getpid()
+        return (pid, serial), (pid, fd, buf.numel())
 
     def _map(self, handle: Any, cached: torch.Tensor | None) -> torch.Tensor:
         if cached is not None:
             return cached
-        storage = torch.UntypedStorage._new_shared_filename_cpu(*handle)
-        return torch.empty(0, dtype=torch.uint8).set_(storage)
+        pid, fd, n = handle
+        return torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=n, dtype=torch.uint8)
 
 
 class CudaIpcTransport(SharingTransport):
@@ -408,6 +441,44 @@ def decode_handle(msg: torch.Tensor) -> Any:
     raw = msg.numpy().tobytes()
     n = int.from_bytes(raw[:4], "little")
     return pickle.loads(raw[4:4 + n])  # a peer rank of this job, over the job's own process group
+
+
+def probe_sharing(kind: str, device: torch.device) -> str | None:
+    """Can every rank of the job map every other rank's shared buffer? None if so, else the first refusal.
+
+    A collective over the whole world (every rank calls it): each rank shares a small buffer holding
+    its rank number, gathers everyone's handles, maps the others' and checks the bytes. Sharing can be
+    refused by the place, not the code (no ``/dev/shm``, a container without IPC rights), so the ranks
+    try it together and fall back together.
+    """
+    transport = make_transport(kind, device)
+    assert isinstance(transport, SharingTransport)
+    rank, reason, handle = dist.get_rank(), None, None
+    try:
+        buf = transport.send_pool.take(ALIGN)
+        buf.fill_(rank % 251 + 1)
+        transport._settle()
+        handle = transport._handle(buf)[1]
+    except Exception as exc:  # refused here: say why, still take part in the gather
+        reason = f"rank {rank}: {type(exc).__name__}: {exc}"
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (handle, reason))
+    for peer, (peer_handle, why) in enumerate(got):
+        if peer == rank or reason is not None:
+            continue
+        if peer_handle is None:
+            reason = why
+            continue
+        try:
+            flat = transport._map(peer_handle, None)
+            if not bool((flat[:ALIGN] == peer % 251 + 1).all()):
+                reason = f"rank {rank} read other bytes than rank {peer} shared"
+            del flat
+        except Exception as exc:
+            reason = f"rank {rank} could not map rank {peer}'s buffer: {type(exc).__name__}: {exc}"
+    reasons: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    return next((r for r in reasons if r is not None), None)
 
 
 TRANSPORTS: dict[str, type[Transport]] = {t.kind: t for t in (GlooTransport, NcclTransport, HostStagedTransport,

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from dflash.core.sampler import ItemSpec
 from dflash.pipeline.channel import Channel, ChannelError
+from dflash.pipeline.stageclock import StageClock, synchronize
 from dflash.pipeline.transport import TensorMeta, Transport, describe, fingerprint
 
 # Stop reasons agreed by the drafter ranks (all-reduce MAX: the highest code wins).
@@ -46,15 +47,26 @@ def item_generator(seed: int, item_id: str) -> torch.Generator:
 
 
 def capture_item(data: Any, target: Any, capture: Any, spec: ItemSpec, device: torch.device,
-                 state_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Tokenise, pad and capture one item: (hidden, input_ids, attention_mask, loss_mask) on ``device``."""
+                 state_dtype: torch.dtype, clock: StageClock | None = None) -> tuple[torch.Tensor, ...]:
+    """Tokenise, pad and capture one item: (hidden, input_ids, attention_mask, loss_mask) on ``device``.
+
+    With ``clock``: ``tokenize_s`` (encode, pad, to the device), ``target_forward_s`` (the target to the
+    deepest captured layer) and ``capture_s`` (the captured states cast to the state dtype), each timed
+    with the device synchronised.
+    """
     from dflash.model.target import collate
 
-    batch = [data.encode(i) for i in spec.seq_indices]
-    pad = target.tokenizer.pad_token_id
-    input_ids, attention_mask, loss_mask = collate(batch, pad if pad is not None else 0)
-    hidden = capture(input_ids.to(device), attention_mask.to(device)).to(state_dtype)
-    return hidden, input_ids.to(device), attention_mask.to(device), loss_mask.to(device)
+    clock = clock or StageClock(torch.device("cpu"))
+    with clock.stage("tokenize_s"):
+        batch = [data.encode(i) for i in spec.seq_indices]
+        pad = target.tokenizer.pad_token_id
+        input_ids, attention_mask, loss_mask = collate(batch, pad if pad is not None else 0)
+        input_ids, attention_mask, loss_mask = (t.to(device) for t in (input_ids, attention_mask, loss_mask))
+    with clock.stage("target_forward_s"):
+        states = capture(input_ids, attention_mask)
+    with clock.stage("capture_s"):
+        hidden = states.to(state_dtype)
+    return hidden, input_ids, attention_mask, loss_mask
 
 
 class Status:
@@ -105,8 +117,9 @@ class Producer:
 
     def __init__(self, channel: Channel, transport: Transport, make: Callable[[ItemSpec], tuple[torch.Tensor, ...]],
                  item_spec: Callable[[str], ItemSpec], *, check: bool, status: Status,
-                 gpu: Callable[[], list[dict[str, Any]]] = list) -> None:
+                 gpu: Callable[[], list[dict[str, Any]]] = list, clock: StageClock | None = None) -> None:
         self.ch, self.transport, self.make, self.item_spec, self.gpu = channel, transport, make, item_spec, gpu
+        self.clock = clock or StageClock(transport.device)  # ``make`` times its stages on it (capture_item)
         self.check, self.status = check, status
         self.held: dict[str, tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
@@ -137,15 +150,18 @@ class Producer:
 
     def _produce(self, spec: ItemSpec) -> dict[str, Any]:
         self.status(f"computing item {spec.item_id}")
+        self.clock.stages.clear()
+        synchronize(self.transport.device)
         t0 = time.perf_counter()
         tensors = self.make(spec)
+        synchronize(self.transport.device)  # the item's device work is in its compute time
         compute = time.perf_counter() - t0
         with self._lock:
             self.held[spec.item_id] = tensors
         meta = {"tensors": describe(tensors), "fingerprint": fingerprint(tensors) if self.check else None}
         nbytes = int(tensors[0].numel() * tensors[0].element_size())
         self.ch.send({"op": "ready", "item_id": spec.item_id, "nbytes": nbytes, "meta": meta, "compute_s": compute,
-                      "pid": os.getpid(), "gpu": self.gpu()})
+                      "stages": dict(self.clock.stages), "pid": os.getpid(), "gpu": self.gpu()})
         self.status(f"item {spec.item_id} ready; waiting to be admitted")
         return self._reply()
 
@@ -231,13 +247,13 @@ class DrafterWorker:
             res.takes.append(self._train_take(step, reply["transfers"], res))
         stats = torch.tensor([res.loss_sum, res.weight_sum, res.tokens, res.anchors, res.n_items, res.real_tokens],
                              dtype=torch.float64, device=self.reduce_device)
-        t1 = time.perf_counter()
-        dist.all_reduce(stats, group=self.group)
-        loss_sum, weight_sum, tokens, anchors, n_items, real_tokens = (float(x) for x in stats.tolist())
-        if n_items == 0:
-            return None
-        grad_norm, lr = self._apply_gradients(weight_sum)
-        res.stages["optimizer_s"] = time.perf_counter() - t1
+        clock = StageClock(self.device, res.stages)
+        with clock.stage("optimizer_s"):  # the weight and gradient sums over the drafter ranks, then the step
+            dist.all_reduce(stats, group=self.group)
+            loss_sum, weight_sum, tokens, anchors, n_items, real_tokens = (float(x) for x in stats.tolist())
+            if n_items == 0:
+                return None
+            grad_norm, lr = self._apply_gradients(weight_sum)
         info = {"loss": loss_sum / weight_sum if weight_sum > 0 else math.nan, "lr": lr, "anchors": int(anchors),
                 "tokens": int(real_tokens), "counted_tokens": int(tokens), "grad_norm": grad_norm,
                 "items": int(n_items), "skipped": weight_sum <= 0}
@@ -246,21 +262,26 @@ class DrafterWorker:
     def _train_take(self, step: int, transfers: list[dict[str, Any]], res: StepResult) -> dict[str, Any]:
         take = {"item_ids": [], "compute_s": 0.0, "transfer_s": 0.0, "bytes": 0, "tokens": 0, "n_seqs": 0,
                 "anchors": 0, "counted_tokens": 0}
+        clock = StageClock(self.device, res.stages)  # transfer_s, drafter_forward_s, drafter_backward_s
         for x in transfers:  # this rank's part of each round, in increasing round order
             metas: tuple[TensorMeta, ...] = x["meta"]["tensors"]
             self.status(f"step {step}: receiving item {x['item_id']} from rank {x['src']} in round {x['round']}")
-            lease, dt = self.transport.recv(metas, x["src"], x["round"])
+            before = dict(res.stages)
+            with clock.stage("transfer_s"):
+                lease, _ = self.transport.recv(metas, x["src"], x["round"])
             tensors = lease.tensors
             self._check(x, tensors)
-            take["transfer_s"] += dt
             take["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
-            tc = time.perf_counter()
             hidden, input_ids, attention_mask, loss_mask = tensors
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            with clock.stage("drafter_forward_s"), \
+                    torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 out = self.drafter.loss(hidden, input_ids, loss_mask, attention_mask,
                                         generator=item_generator(self.seed, x["item_id"]))
-            out.loss_sum.backward()  # unnormalised: divided by the global weight after the all-reduce
-            take["compute_s"] += time.perf_counter() - tc
+            with clock.stage("drafter_backward_s"):
+                out.loss_sum.backward()  # unnormalised: divided by the global weight after the all-reduce
+            for key, stage in (("transfer_s", "transfer_s"), ("compute_s", "drafter_forward_s"),
+                               ("compute_s", "drafter_backward_s")):
+                take[key] += res.stages[stage] - before.get(stage, 0.0)
             take["item_ids"].append(x["item_id"])
             take["tokens"] += int(attention_mask.sum())
             take["n_seqs"] += int(input_ids.shape[0])
@@ -274,8 +295,7 @@ class DrafterWorker:
             res.real_tokens += int(attention_mask.sum())
             del out, hidden, input_ids, attention_mask, loss_mask, tensors
             self.transport.release(lease)  # the backward is done: the buffer may take the next item
-        res.stages["transfer_s"] = take["transfer_s"]
-        res.stages["drafter_compute_s"] = take["compute_s"]
+        res.stages["drafter_compute_s"] = take["compute_s"]  # forward + backward (the take record's compute_s)
         return take
 
     def _check(self, x: dict[str, Any], tensors: tuple[torch.Tensor, ...]) -> None:
@@ -290,23 +310,64 @@ class DrafterWorker:
             self.verify_ids(x["item_id"], tensors)
 
     def _apply_gradients(self, weight: float) -> tuple[float, float]:
-        """Sum gradients over the drafter ranks, divide by the global weight, clip, step (skipped at weight 0)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.reduce_device)
+        """Sum gradients over the drafter ranks, divide by the global weight, clip, step (skipped at weight 0).
+
+        One drafter rank: nothing to sum, the gradients are divided in place (no flatten, no copy).
+        Several: summed in place by :func:`all_reduce_grads` (on the device with NCCL; through host memory
+        only where the drafters share a GPU or run on the CPU, ``reduce_device`` cpu).
+        """
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
         if dist.get_world_size(self.group) > 1:
-            dist.all_reduce(flat, group=self.group)
+            all_reduce_grads(grads, self.group, self.reduce_device)
         lr = self.scheduler.get_last_lr()[0]
         if weight <= 0:
             self.optimizer.zero_grad(set_to_none=True)
             return math.nan, lr
-        flat = flat.to(self.params[0].device).div_(weight)
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-            offset += n
+        torch._foreach_div_(grads, weight)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, lr
+
+
+BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket: one all-reduce per ~25 MB of gradients
+
+
+def grad_buckets(grads: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
+    """Consecutive gradients grouped into buckets of about ``bucket_bytes`` (one dtype and device each)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        n = g.numel() * g.element_size()
+        last = buckets[-1] if buckets else None
+        if last is None or size + n > bucket_bytes or (last[0].dtype, last[0].device) != (g.dtype, g.device):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += n
+    return buckets
+
+
+def all_reduce_grads(grads: list[torch.Tensor], group: Any, reduce_device: torch.device,
+                     bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum ``grads`` over ``group`` in place, bucket by bucket as DDP does (one flat all-reduce per bucket).
+
+    The bucket is flattened where it lives and moved to ``reduce_device`` only when that differs (the
+    shared-GPU and CPU drafters reduce over gloo through host memory); elementwise sums, so the result
+    equals one all-reduce of everything.
+    """
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    for bucket in grad_buckets(grads, bucket_bytes):
+        flat = _flatten_dense_tensors(bucket)
+        wire = flat.to(reduce_device)
+        dist.all_reduce(wire, group=group)
+        if wire is not flat:
+            flat.copy_(wire)
+        for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            g.copy_(summed)
