@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash.pipeline.roles import DATA_GLOO, DATA_HOST, DATA_IPC, DATA_NCCL, DATA_SHM
-from dflash.pipeline.transport import POOL_BUFFERS, BufferPool, Lease, describe, make_transport
+from dflash.pipeline.transport import POOL_BUFFERS, BufferPool, Lease, describe, make_transport, probe_sharing
 
 PLANES = (DATA_GLOO, DATA_HOST, DATA_NCCL, DATA_SHM)
 CUDA_PLANES = (DATA_HOST, DATA_IPC)  # two ranks sharing cuda:0 (run where a GPU is)
@@ -94,7 +94,7 @@ def pool_of(transport: Any) -> BufferPool:
 def _rank(rank: int, port: int, out: str, device: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    results = {}
+    results: dict = {"probe": probe_sharing(DATA_SHM if device == "cpu" else DATA_IPC, torch.device(device))}
     for plane in PLANES if device == "cpu" else CUDA_PLANES:
         try:
             results[plane] = (_producer if rank == 0 else _drafter)(plane, device)
@@ -115,9 +115,9 @@ def _run(tmp_path_factory: pytest.TempPathFactory, device: str, planes: tuple[st
     out = tmp_path_factory.mktemp("pool")
     mp.start_processes(_rank, args=(port, str(out), device), nprocs=2, start_method="spawn")
     producer, drafter = (json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1))
-    return {p: {**producer.get(p, {"error": "not reached"}), **{f"drafter_{k}": v for k, v in
-                                                               drafter.get(p, {"error": "not reached"}).items()}}
-            for p in planes}
+    merged = {p: {**producer.get(p, {"error": "not reached"}),
+                  **{f"drafter_{k}": v for k, v in drafter.get(p, {"error": "not reached"}).items()}} for p in planes}
+    return {"probe": [producer["probe"], drafter["probe"]], **merged}
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +148,10 @@ def test_on_one_shared_gpu_items_arrive_intact_and_their_buffers_are_reused(cuda
     assert got["new_in_second_pass"] == 0 and got["drafter_new_in_second_pass"] == 0, got
     if plane == DATA_IPC:
         assert got["held_until_ack"] and got["drafter_allocated"] == 0
+
+
+def test_the_ranks_agree_that_sharing_works_before_they_use_it(planes: dict) -> None:
+    assert planes["probe"] == [None, None]  # each rank mapped the other's buffer and read its bytes
 
 
 def test_a_shared_item_stays_with_its_producer_until_the_drafter_releases_it(planes: dict) -> None:
