@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import math
 import shutil
@@ -327,8 +328,9 @@ def _tau(target: Any, drafter: Any, trained: set[str], cfg: DflashConfig, n: int
     """Acceptance length of the trained drafter on held-out prompts (the run's conversations excluded)."""
     from dflash.model.acceptance import evaluate_acceptance, heldout_prompts
 
-    prompts = heldout_prompts(target.tokenizer, n, seed=cfg.seed + 1, sample=cfg.workload.sample,
-                              skip_ids=trained, dataset=cfg.workload.dataset)
+    with contextlib.redirect_stderr(io.StringIO()):  # the data set's damaged-record count: said once, by the command
+        prompts = heldout_prompts(target.tokenizer, n, seed=cfg.seed + 1, sample=cfg.workload.sample,
+                                  skip_ids=trained, dataset=cfg.workload.dataset)
     return evaluate_acceptance(target, drafter, prompts, max_new_tokens=cfg.train.eval_new_tokens)
 
 
