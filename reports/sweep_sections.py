@@ -98,7 +98,7 @@ def front_table(sweep: SweepInput, df: pd.DataFrame, front: list[int]) -> pd.Dat
     for _, r in sub.iterrows():
         rows.append({
             "trial": str(int(r["number"])),
-            "min_ready/max_depth": f"{r['user_attrs_queue_min_ready']}/{r['user_attrs_queue_max_depth']}",
+            "min_ready/max_depth": _knobs_cell(r),
             "policy": str(r["user_attrs_queue_policy"]), "gate": str(r.get("user_attrs_queue_gate", NA)),
             "per take": str(r.get("user_attrs_queue_items_per_take", NA)),
             "tokens/s": fmt_pm(TPUT, r[f"user_attrs_{TPUT}"], r.get(f"user_attrs_{TPUT}_se")),
@@ -116,9 +116,16 @@ def heatmap_section(inputs: Inputs) -> Section:
     if df is None or df.empty:
         sec.blocks.append(Missing(NO_SWEEP))
         return sec
-    sec.blocks.append(Figure("heatmaps", figures.heatmaps(df, OBJECTIVE_COLUMNS),
+    static = static_only(df)
+    if static.empty:
+        sec.blocks.append(Missing("every trial ran the queue autopilot, whose knobs move during a run"))
+        return sec
+    left_out = len(df) - len(static)
+    note = (f" {left_out} autopilot trial{'s' if left_out != 1 else ''} left out (its knobs moved during the run; "
+            "see the Pareto and sensitivity tables)." if left_out else "")
+    sec.blocks.append(Figure("heatmaps", figures.heatmaps(static, OBJECTIVE_COLUMNS),
                              "Mean of each objective over the complete trials in each (effective min_ready, "
-                             "max_depth) bin, one row per policy; blank: no trial there."))
+                             "max_depth) bin, one row per policy; blank: no trial there." + note))
     return sec
 
 
@@ -132,21 +139,24 @@ def sensitivity_section(inputs: Inputs) -> Section:
     if "params_pair" in df.columns:
         table = df.pivot_table(index="params_pair", columns="user_attrs_queue_policy", aggfunc="first",
                                values=[f"user_attrs_{MIX}", f"user_attrs_{MIX}_se", f"user_attrs_{TPUT}"])
-        pairs = sorted(table.index, key=lambda p: tuple(int(x) for x in str(p).split("/")))
+        pairs = sorted(table.index, key=_pair_key)
         policies = sorted(df["user_attrs_queue_policy"].unique())
+        starts = _auto_starts(df)
         rows = []
         for pair in pairs:
-            row = {"min_ready/max_depth": knobs_label(*(int(x) for x in str(pair).split("/")))}
+            row = {"min_ready/max_depth": _pair_label(str(pair), starts)}
             for pol in policies:
                 m = table.get((f"user_attrs_{MIX}", pol), pd.Series(dtype=float)).get(pair)
                 s = table.get((f"user_attrs_{MIX}_se", pol), pd.Series(dtype=float)).get(pair)
                 t = table.get((f"user_attrs_{TPUT}", pol), pd.Series(dtype=float)).get(pair)
                 row[pol] = f"{fmt_pm(MIX, m, s)} | {fmt_metric(TPUT, t)}" if num(m) is not None else NA
             rows.append(row)
+        auto = (" The auto row is the queue autopilot (docs/ARCHITECTURE.md, Queue autopilot): it starts from the "
+                "pair shown and moves min_ready/max_depth during the run.") if starts else ""
         sec.blocks.append(Table(pd.DataFrame(rows), "Grid study: mix_efficiency ± standard error | tokens/s "
-                                "(simulated, mean over seeds) for each (min_ready/max_depth, policy)."))
+                                "(simulated, mean over seeds) for each (min_ready/max_depth, policy)." + auto))
         return sec
-    df, _, _ = figures.binned(df)
+    df, _, _ = figures.binned(static_only(df))
     rows = []
     knobs = [("min_ready", "mr_bin"), ("max_depth", "md_bin"), ("policy", "user_attrs_queue_policy"),
              ("gate", "user_attrs_queue_gate"), ("items_per_take", "user_attrs_queue_items_per_take")]
@@ -171,6 +181,43 @@ def sensitivity_section(inputs: Inputs) -> Section:
                             "knobs binned as in the heatmaps; simulated). A knob whose rows barely differ does "
                             "not matter on this workload."))
     return sec
+
+
+def _pair_key(pair: object) -> tuple[int, ...]:
+    """Static ``min/max`` pairs in numeric order; a non-numeric row (``auto``: the autopilot) after them."""
+    parts = str(pair).split("/")
+    if all(p.isdigit() for p in parts):
+        return (0, *(int(p) for p in parts))
+    return (1,)
+
+
+def _auto_starts(df: pd.DataFrame) -> dict[str, str]:
+    """Per non-numeric grid row (the autopilot's), the configured pair its trials started from."""
+    starts: dict[str, str] = {}
+    for r in df.itertuples(index=False):
+        pair = str(r.params_pair)
+        if _pair_key(pair)[0] == 1 and pair not in starts:
+            starts[pair] = f"{r.user_attrs_queue_min_ready}/{r.user_attrs_queue_max_depth}"
+    return starts
+
+
+def _pair_label(pair: str, starts: dict[str, str]) -> str:
+    if pair in starts:
+        return f"{pair} (autopilot, from {starts[pair]})"
+    return knobs_label(*(int(x) for x in pair.split("/")))
+
+
+def static_only(df: pd.DataFrame) -> pd.DataFrame:
+    """Trials whose min_ready/max_depth held all run: an autopilot trial's are only where it started, so
+    it has no place on a (min_ready, max_depth) axis."""
+    if "user_attrs_queue_mode" not in df.columns:
+        return df
+    return df[df["user_attrs_queue_mode"].astype(str) != "auto"].reset_index(drop=True)
+
+
+def _knobs_cell(r: pd.Series) -> str:
+    pair = f"{r['user_attrs_queue_min_ready']}/{r['user_attrs_queue_max_depth']}"
+    return f"auto from {pair}" if str(r.get("user_attrs_queue_mode")) == "auto" else pair
 
 
 def _level_key(level: str) -> tuple[float, str]:
