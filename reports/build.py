@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from dflash.core.config import DflashConfig
-from reports import meta, recommend, run_sections, sweep_sections
+from reports import meta, recommend, run_panels, run_sections, sweep_sections
 from reports.document import Section, figures, render_html, render_markdown
 from reports.inputs import Inputs, find_inputs
 
@@ -32,6 +32,8 @@ def build_sections(inputs: Inputs, cfg: DflashConfig) -> list[Section]:
         sweep_sections.pareto_section(inputs),
         sweep_sections.split_section(inputs),
         run_sections.queue_section(inputs),
+        run_panels.autopilot_section(inputs),
+        run_panels.stages_section(inputs),
         run_sections.loss_section(inputs),
         sweep_sections.heatmap_section(inputs),
         sweep_sections.sensitivity_section(inputs),

@@ -289,3 +289,99 @@ def split(trials: pd.DataFrame, table: dict[str, Any]) -> bytes:
     axes[1].set_xlabel("split: target workers / drafter workers (grey: no feasible trial)")
     axes[0].set_title("Throughput and mix against the GPU split")
     return _png(fig)
+
+
+# --------------------------------------------------------------------------- per-run panels
+def autopilot(label: str, run: RunData, knobs: dict[str, tuple[list[float], list[float]]],
+              changes: Sequence[dict[str, Any]]) -> bytes:
+    """Knobs over time, the rolling bucket mix at each window's last take, and the mix each decision
+    measured (with its interval and the target), on one time axis."""
+    plt = _plt()
+    fig, axes = plt.subplots(3, 1, figsize=(10, 7.2), sharex=True, constrained_layout=True,
+                             gridspec_kw={"height_ratios": [1.2, 1.2, 1]})
+    for name, (ts, vs) in knobs.items():
+        if ts:
+            axes[0].step(ts, vs, where="post", label=name, lw=1.4)
+    axes[0].set_ylabel("items")
+    axes[0].set_title(f"{label}: queue knobs", fontsize=9)
+    axes[0].legend(fontsize=8, loc="upper right")
+    axes[0].grid(alpha=0.3)
+    k, w = run.n_buckets, run.window
+    fr = rolling_mix(run.takes, w, k)
+    ends = _window_end_times(run.takes, w)
+    if fr and fr[0]:
+        n = min(len(fr[0]), len(ends))
+        axes[1].stackplot(ends[:n], [f[:n] for f in fr], labels=bucket_labels(run.bucket_bounds, k), step="post",
+                          alpha=0.85)
+        axes[1].set_ylim(0, 1)
+        axes[1].legend(fontsize=6, loc="upper right", ncol=k)
+    else:
+        _cell_missing(axes[1], f"fewer than {w} taken items")
+    axes[1].set_ylabel(f"bucket share (W={w})")
+    pts = [(float(c["t"]), c["reason"]) for c in changes if isinstance(c.get("reason"), dict)
+           and c["reason"].get("mix_efficiency") is not None]
+    if pts:
+        ts = [t for t, _ in pts]
+        ys = [_finite(r["mix_efficiency"]) for _, r in pts]
+        lo = [y - _finite((r.get("interval") or [y, y])[0]) for y, (_, r) in zip(ys, pts)]
+        hi = [_finite((r.get("interval") or [y, y])[1]) - y for y, (_, r) in zip(ys, pts)]
+        axes[2].errorbar(ts, ys, yerr=[lo, hi], fmt="o", ms=3, lw=0.8, capsize=2, label="measured at decision")
+        targets = {_finite(r.get("target")) for _, r in pts if r.get("target") is not None}
+        for tgt in targets:
+            axes[2].axhline(tgt, ls="--", color="0.3", lw=0.9, label=f"target {tgt:.3f}")
+        axes[2].legend(fontsize=8, loc="lower right")
+    else:
+        _cell_missing(axes[2], "the change records state no measured mix")
+    axes[2].set_ylabel("mix_efficiency")
+    axes[2].set_xlabel("time (s)" + (", simulated" if run.source == "sim" else ", wall"))
+    axes[2].grid(alpha=0.3)
+    return _png(fig)
+
+
+def _window_end_times(takes: Sequence[dict[str, Any]], window: int) -> list[float]:
+    """The time of the take that completes each consecutive window of ``window`` items."""
+    out, n = [], 0
+    for r in takes:
+        for _ in r.get("item_ids") or [None]:
+            n += 1
+            if n % window == 0:
+                out.append(float(r["t"]))
+    return out
+
+
+def stages(runs: Sequence[tuple[str, dict[str, float], float | None]], compound: set[str]) -> bytes:
+    """One horizontal bar per run, stacked by stage (mean seconds per step); compound stages left out."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.6 * len(runs)), constrained_layout=True)
+    names = list(dict.fromkeys(k for _, m, _ in runs for k in m if k not in compound))
+    for j, (_, means, step_s) in enumerate(runs):
+        left = 0.0
+        for i, k in enumerate(names):
+            v = means.get(k, 0.0)
+            ax.barh(j, v, left=left, color=f"C{i}", label=k if j == 0 else None)
+            left += v
+        if step_s is not None and step_s > left:
+            ax.barh(j, step_s - left, left=left, color="0.85", label="other" if j == 0 else None)
+    ax.set_yticks(range(len(runs)), [r[0] for r in runs], fontsize=8)
+    ax.set_xlabel("mean seconds per step")
+    ax.legend(fontsize=7, ncol=min(6, len(names) + 1), loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax.grid(axis="x", alpha=0.3)
+    return _png(fig)
+
+
+def gpu(runs: Sequence[tuple[str, RunData, pd.DataFrame]]) -> bytes:
+    """Utilisation (top) and power (bottom) of each (run, rank, GPU) over time."""
+    plt = _plt()
+    fig, axes = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, constrained_layout=True)
+    for label, _, df in runs:
+        for (rank, g), sub in df.groupby(["rank", "gpu"]):
+            for ax, col in ((axes[0], "util"), (axes[1], "power_w")):
+                if col in sub and sub[col].notna().any():
+                    ax.plot(sub["t"], sub[col], marker=".", lw=1, label=f"{label} rank {rank} GPU {g}")
+    axes[0].set_ylabel("utilisation (%)")
+    axes[1].set_ylabel("power (W)")
+    axes[1].set_xlabel("time (s)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return _png(fig)

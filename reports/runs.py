@@ -53,6 +53,8 @@ class RunData:
     takes: list[dict[str, Any]] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
+    controls: list[dict[str, Any]] = field(default_factory=list)  # live queue changes (autopilot, tune-live)
+    producer_stages: list[dict[str, float]] = field(default_factory=list)  # produce records' ``stages``, if any
 
     @property
     def queue(self) -> dict[str, Any] | None:
@@ -95,9 +97,12 @@ def load_run(path: Path, name: str | None = None) -> RunData:
         first = next(iter(read_records(path, "produce")), None)
         source = (first or summary or {}).get("source") or "unknown"
     config = read_json(path / "config.json")
+    controls = list(read_records(path, "control"))
+    producer_stages = [r["stages"] for r in read_records(path, "produce") if isinstance(r.get("stages"), dict)]
     run = RunData(dir=path, name="", source=str(source), config=config if isinstance(config, dict) else None,
                   metrics=_dict_or_none(read_json(path / "metrics.json")),
-                  eval=_dict_or_none(read_json(path / "eval.json")), takes=takes, steps=steps, summary=summary)
+                  eval=_dict_or_none(read_json(path / "eval.json")), takes=takes, steps=steps, summary=summary,
+                  controls=controls, producer_stages=producer_stages)
     run.name = name or named_config_of(run.queue) or path.name
     return run
 
