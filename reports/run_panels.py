@@ -17,6 +17,7 @@ NVML means per logging interval); a CPU run has none and gets no GPU panel.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -52,9 +53,29 @@ def labelled_runs(inputs: Inputs) -> list[tuple[str, RunData]]:
 
 # --------------------------------------------------------------------------- autopilot
 def knob_changes(run: RunData) -> list[dict[str, Any]]:
-    """Control records that change min_ready or max_depth (accepted or refused), in time order."""
-    rows = [r for r in run.controls if isinstance(r.get("change"), dict) and any(k in r["change"] for k in KNOBS)]
-    return sorted(rows, key=lambda r: float(r.get("t") or 0.0))
+    """Control records that change min_ready or max_depth (accepted or refused), in time order.
+
+    A refused live change keeps its value as JSON text (``change.rejected``, one shape for Parquet);
+    it is read back here so the table shows what was asked for."""
+    rows = []
+    for r in run.controls:
+        change = r.get("change")
+        if isinstance(change, dict) and isinstance(change.get("rejected"), str):
+            try:
+                asked = json.loads(change["rejected"])
+            except ValueError:
+                asked = None
+            change = asked if isinstance(asked, dict) else None
+        if isinstance(change, dict) and any(k in change for k in KNOBS) and r.get("t") is not None:
+            rows.append({**r, "change": change})
+    return sorted(rows, key=lambda r: float(r["t"]))
+
+
+def changed_by(r: dict[str, Any]) -> str:
+    """Who made a change: the autopilot (``source_of_change``) or a live change (``tune-live``, its serial)."""
+    if r.get("source_of_change"):
+        return str(r["source_of_change"])
+    return f"tune-live #{r['serial']}" if r.get("serial") is not None else NA
 
 
 def start_knobs(run: RunData, changes: list[dict[str, Any]]) -> dict[str, int | None]:
@@ -91,8 +112,13 @@ def knob_series(run: RunData, changes: list[dict[str, Any]]) -> dict[str, tuple[
     return out
 
 
-def _reason_text(reason: Any) -> str:
-    return str(reason.get("rule") or NA) if isinstance(reason, dict) else str(reason or NA)
+def _reason_text(r: dict[str, Any]) -> str:
+    reason = r.get("reason")
+    if isinstance(reason, dict):
+        return str(reason.get("rule") or NA)
+    if reason:
+        return str(reason)
+    return f"applied {r['applied']}" if r.get("applied") else NA
 
 
 def changes_table(run: RunData, changes: list[dict[str, Any]]) -> pd.DataFrame:
@@ -106,13 +132,14 @@ def changes_table(run: RunData, changes: list[dict[str, Any]]) -> pd.DataFrame:
         rows.append({
             "t (s)": f"{float(r['t']):,.1f}", "step": NA if r.get("step") is None else str(r["step"]),
             "change": ", ".join(f"{k} {v}" for k, v in r["change"].items()),
-            "accepted": "yes" if r.get("accepted", True) else "NO", "by": str(r.get("source_of_change") or NA),
+            "accepted": "yes" if r.get("accepted", True) else "NO", "by": changed_by(r),
             "bound": str(reason.get("bound", NA)), "mix measured": mix,
-            "size needed": str(reason.get("size_needed", NA)), "reason": _reason_text(r.get("reason")),
+            "size needed": str(reason.get("size_needed", NA)), "reason": _reason_text(r),
         })
     df = pd.DataFrame(rows, columns=["t (s)", "step", "change", "accepted", "by", "bound", "mix measured",
                                      "size needed", "reason"])
-    empty = [c for c in ("step", "bound", "size needed") if (df[c] == NA).all()]  # a simulated run has no step
+    # A simulated run has no step; a live change states no autopilot measurement.
+    empty = [c for c in ("step", "bound", "mix measured", "size needed") if (df[c] == NA).all()]
     return df.drop(columns=empty)
 
 

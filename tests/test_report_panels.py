@@ -206,3 +206,28 @@ def test_gpu_samples_in_the_telemetry_give_a_power_and_utilisation_panel(real_ru
     assert row["utilisation %"] == f"{_mean(expect['util']):.1f}"
     assert row["power W"] == f"{_mean(expect['power_w']):.1f}"
     assert row["peak memory GiB"] == "3.00"
+
+
+def test_live_changes_of_a_real_run_are_drawn_and_listed_accepted_or_refused(real_run: Path, tmp_path: Path,
+                                                                            run_inputs: dict[str, Path]) -> None:  # noqa: F811
+    """`dflash tune-live` while the trainer is down: a good change is applied at resume, a bad one (min_ready
+    above max_depth) refused; both are control records, both rows of the table, and the knob line moves."""
+    from dflash.pipeline.checkpoint import write_control
+    from dflash.pipeline.trainer import train
+
+    run = tmp_path / "run"
+    shutil.copytree(real_run, run)
+    assert main(["tune-live", str(run), "--hs-min-ready", "2", "--hs-max-depth", "5"]) == 0
+    cfg = with_overrides(load_config(write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=14, log_every=4)), {})
+    train(cfg, run, resume=True, wait_s=60.0, pg_timeout_s=60.0)
+    write_control(run, {"min_ready": 50}, serial=2)
+    cfg = with_overrides(cfg, {"train.max_steps": 15})
+    train(cfg, run, resume=True, wait_s=60.0, pg_timeout_s=60.0)
+    md = report(tmp_path, run)
+    sec = section(md, "Queue autopilot")
+    assert "](figures/autopilot_1.png)" in sec and "from 3/6 to 2/5, 2 change records" in sec
+    rows = tables(sec)[0]
+    assert [(r["change"], r["accepted"], r["by"]) for r in rows] == [
+        ("min_ready 2, max_depth 5", "yes", "tune-live #1"), ("min_ready 50", "NO", "tune-live #2")]
+    assert rows[0]["reason"] == "applied at resume" and "min_ready" in rows[1]["reason"]
+    assert "mix measured" not in rows[0]  # a live change carries no autopilot measurement
