@@ -134,16 +134,19 @@ def test_the_library_call_runs_the_same_job_to_max_steps_and_lists_what_it_disca
     assert step_run.metrics == json.loads((run / "metrics.json").read_text())
 
 
-def test_a_failed_job_is_one_line_naming_the_rank(tmp_path: Path, run_inputs) -> None:  # noqa: F811
+def test_a_bad_target_is_one_config_error_before_any_rank_starts(tmp_path: Path, run_inputs) -> None:  # noqa: F811
+    """The library call builds (or reads) the converted target once before starting ranks, so a bad
+    model is one line naming ``target.model``, and no rank was started."""
     from dflash.core.config import with_overrides
-    from dflash.pipeline.trainer import JobFailed, train
+    from dflash.core.errors import ConfigError
+    from dflash.pipeline.trainer import train
 
     cfg = load_config(write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=2))
     cfg = with_overrides(cfg, {"target.model": str(tmp_path / "no-such-model")})
-    with pytest.raises(JobFailed) as err:
+    with pytest.raises(ConfigError) as err:
         train(cfg, tmp_path / "run", wait_s=60.0, pg_timeout_s=60.0)
-    line = str(err.value)
-    assert "\n" not in line and "rank " in line, line
+    assert err.value.key == "target.model" and "\n" not in str(err.value)
+    assert not (tmp_path / "run" / ".ranks").exists()
 
 
 def test_the_cpu_profile_is_what_train_runs_by_default() -> None:

@@ -50,6 +50,7 @@ def train(cfg: DflashConfig, out: str | Path, *, resume: bool = False, quiet: bo
 
     run = Path(out)
     run.mkdir(parents=True, exist_ok=True)
+    warm_caches(cfg)
     spec = RunSpec(cfg, str(run), resume=resume, wandb=wandb, wait_s=wait_s, pg_timeout_s=pg_timeout_s,
                    check_transfers=check_transfers, quiet=quiet)
     code = launch(spec)
@@ -61,6 +62,18 @@ def train(cfg: DflashConfig, out: str | Path, *, resume: bool = False, quiet: bo
     if not summaries or not metrics_path.is_file():
         raise JobFailed(f"the rank job in {run} ended without its summary and metrics.json")
     return JobResult(run, summaries[-1], json.loads(metrics_path.read_text()))
+
+
+def warm_caches(cfg: DflashConfig) -> None:
+    """The converted target (and its tokenizer) built here, once, before any rank starts: ranks then
+    only read the cache. With an empty cache every rank building it at once failed a drafter rank
+    ("Unrecognized model ... model_type") on 2026-12-05; here it costs one load on a warm cache."""
+    import torch
+
+    from dflash.data.model_source import load_causal_lm, load_tokenizer
+
+    load_tokenizer(cfg.target.model)
+    load_causal_lm(cfg.target.model, torch.float32)
 
 
 SPEC_FILE = ".job-spec.pkl"  # a held job's RunSpec, handed to its launcher process
@@ -81,6 +94,7 @@ class HeldJob:
 
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
+        warm_caches(cfg)
         (self.out / HELD_FILE).unlink(missing_ok=True)
         write_block(self.out, first)
         self.serial = first.serial

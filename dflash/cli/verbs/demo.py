@@ -38,10 +38,14 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
             import shutil
 
             shutil.rmtree(cal_run)
-        from dflash.pipeline.trainer import train
+        from dflash.pipeline.trainer import JobFailed, train
 
         # the rank job dflash train runs (1 + 1 is two processes): calibration reads the records of ranks
-        train(with_overrides(cfg, {"train.max_steps": cal_steps}), cal_run, quiet=False)
+        try:
+            train(with_overrides(cfg, {"train.max_steps": cal_steps}), cal_run, quiet=False)
+        except JobFailed as exc:  # the failing rank's one line (its traceback is in the run's .ranks)
+            print(f"dflash demo: error: {exc}", file=sys.stderr)
+            return 1
     stage(3, "calibrate the simulator")
     from simulator.calibration import apply_calibration, calibrate, format_calibration, write_calibration
 
