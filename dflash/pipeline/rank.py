@@ -66,6 +66,7 @@ from dflash.pipeline.workers import (
 RANKS_DIR = ".ranks"
 NVML_INTERVAL_S = 1.0  # power, clocks and utilisation of each rank's GPU, sampled this often
 DATA_PLANE_ENV = "DFLASH_DATA_PLANE"  # auto (default) or a plane the placement allows (roles.choose_plane)
+FAILED_RANK_GRACE_S = 1.0  # a failed rank waits this long before it exits (see rank_main)
 LAUNCHED_BY_DFLASH = "DFLASH_LAUNCHER"  # set by dflash's own launcher: its parent prints the rank's error
 
 
@@ -106,7 +107,16 @@ def rank_main(spec: RunSpec) -> int:
         code = rr.run()
     except BaseException as exc:
         _report_failure(out, rank, spec, status, exc)
-        raise SystemExit(2 if isinstance(exc, ConfigError) else 1) from None
+        # No teardown: a failed rank's peers are gone or going, and tearing down a process group with a
+        # transfer still posted (a sharing plane's ack from a killed drafter, say) aborts in C++
+        # ("terminate called without an active exception"), a second, misleading error. The launcher
+        # names the first rank it sees exit, so a rank that failed because a peer vanished lingers a
+        # moment (FAILED_RANK_GRACE_S, many launcher polls) for the peer that caused it to be seen first.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if not isinstance(exc, ConfigError):
+            time.sleep(FAILED_RANK_GRACE_S)
+        os._exit(2 if isinstance(exc, ConfigError) else 1)
     status.flush()
     if rr.signal is not None:  # the launcher is shutting down and waits for this process: leave now
         sys.stdout.flush()
@@ -196,27 +206,25 @@ class RankRun:
         self.status("joining the process group")
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=self.spec.pg_timeout_s))
-        try:
-            self.drafter_group = dist.new_group(self.roles.drafter_ranks)
-            if self.plane == DATA_NCCL:  # NCCL point-to-point: the world's first NCCL call must involve every rank
-                dist.all_reduce(torch.zeros(1, device=self.device))
-            refused = probe_sharing(self.plane, self.device) if self.plane in FALLBACK else None
-            if refused is not None:
-                self.plane = FALLBACK[self.plane]
-            self.progress(plane_line(self.plane, refused))
-            self._load()
-            info = self._host_setup() if self.roles.is_coordinator else None
-            box = [info]
-            dist.broadcast_object_list(box, src=self.roles.coordinator_rank)
-            self.info = box[0]
-            self.channel = connect(self.info["host"], self.info["port"], self.roles.rank, self.spec.wait_s)
-            if self.roles.is_target:
-                self._run_producer()
-            else:
-                self._run_drafter()
-            return 0
-        finally:
-            dist.destroy_process_group()
+        self.drafter_group = dist.new_group(self.roles.drafter_ranks)
+        if self.plane == DATA_NCCL:  # NCCL point-to-point: the world's first NCCL call must involve every rank
+            dist.all_reduce(torch.zeros(1, device=self.device))
+        refused = probe_sharing(self.plane, self.device) if self.plane in FALLBACK else None
+        if refused is not None:
+            self.plane = FALLBACK[self.plane]
+        self.progress(plane_line(self.plane, refused))
+        self._load()
+        info = self._host_setup() if self.roles.is_coordinator else None
+        box = [info]
+        dist.broadcast_object_list(box, src=self.roles.coordinator_rank)
+        self.info = box[0]
+        self.channel = connect(self.info["host"], self.info["port"], self.roles.rank, self.spec.wait_s)
+        if self.roles.is_target:
+            self._run_producer()
+        else:
+            self._run_drafter()
+        dist.destroy_process_group()  # only after a clean run: a failure leaves without teardown (rank_main)
+        return 0
 
     def _load(self) -> None:
         from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
