@@ -5,7 +5,7 @@
 policy, oldest-first, to :class:`dflash.core.queue_core.QueueCore`, the object the threaded trainer queue
 wraps. Only compute time is simulated.
 
-Same-instant order (DESIGN.md): puts before takes; among producers and among drafters, by worker
+Same-instant order (docs/ARCHITECTURE.md): puts before takes; among producers and among drafters, by worker
 index. SimPy processes events of one instant in scheduling order, so the resource defers its
 decisions: pending puts are settled by an event at priority ``PUT_PRIORITY`` and pending takes at
 ``TAKE_PRIORITY``, both after every ordinary event of that instant. Requests wait in lists sorted

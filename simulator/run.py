@@ -8,7 +8,7 @@ for the DDP all-reduce of the drafter's gradient.
 
 Metrics are streamed (:class:`simulator.stream.StreamMetrics`): memory does not grow with simulated
 time. Asked for (``keep_records``, ``records_dir``, or a loss model that replays the take order),
-the run also keeps DESIGN.md's records, in memory and on disk, whose metrics
+the run also keeps docs/ARCHITECTURE.md's records, in memory and on disk, whose metrics
 :func:`dflash.core.runmetrics.run_metrics` (the trainer's function) computes the same.
 """
 

@@ -1,4 +1,4 @@
-"""Streaming run metrics: DESIGN.md's metrics in memory that does not grow with simulated time.
+"""Streaming run metrics: docs/ARCHITECTURE.md's metrics in memory that does not grow with simulated time.
 
 :func:`dflash.core.runmetrics.run_metrics` computes the metrics from every produce and take record,
 so a simulation that keeps its records grows by ~100 bytes per item: a simulated week needs
@@ -23,7 +23,7 @@ from typing import Any
 from dflash.core.mixmetrics import MixMetrics, entropy, expected_window_entropy, kl_to_mix, max_bucket_streak
 from dflash.core.queue_core import QueueCore
 
-STREAK_TAKES = 1000  # DESIGN.md: max_bucket_streak over the first n = min(takes, 1,000) steady takes
+STREAK_TAKES = 1000  # docs/ARCHITECTURE.md: max_bucket_streak over the first n = min(takes, 1,000) steady takes
 MAX_POINTS = 1000  # points kept per plotted series
 
 

@@ -12,7 +12,7 @@ from dflash.core.queue_core import QueueItem
 
 ALL_POLICIES = sorted(POLICY_CLASSES)
 
-# Per-sequence shares REFERENCE.md measured on the packaged ShareGPT (max_len 2048).
+# Per-sequence shares docs/REFERENCE.md measured on the packaged ShareGPT (max_len 2048).
 SHAREGPT_SHARES = (0.024, 0.030, 0.102, 0.161, 0.684)
 SHAREGPT_BOUNDS = (128, 256, 512, 1024, 2048)
 

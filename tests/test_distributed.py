@@ -55,7 +55,7 @@ def epoch_items(cfg_path: Path) -> list[str]:
 
 
 def assert_books_balance(run: Path, n_target: int, n_drafter: int, sessions: int = 1) -> dict:
-    """DESIGN.md's identity, no item twice, one producer rank per target and one per drafter, all listed."""
+    """docs/ARCHITECTURE.md's identity, no item twice, one producer rank per target and one per drafter, all listed."""
     s = next(read_records(run, "summary"))
     produce = list(read_records(run, "produce"))
     takes = list(read_records(run, "take"))

@@ -20,23 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CITATION = re.compile(r"(?<![\w.-])((?:[\w.-]+/)*(?:DESIGN|REFERENCE|ARCHITECTURE)\.md)"
                       r"(?:(?:,\s*|\s*\(\s*|\s+)\"([^\"\n]+)\")?")
 
-# Files that still cite the old, absent DESIGN.md / REFERENCE.md: files their owners were editing
-# while the documents moved. The lead rewrites them in one pass (the sed in issue #29's closing
-# note) and then empties this list; a file that is clean must leave it (the test says which).
-PENDING: frozenset[str] = frozenset({
-    "dflash/core/config.py", "dflash/core/memory_model.py", "dflash/core/mixmetrics.py",
-    "dflash/core/named_configs.py", "dflash/core/queue_core.py", "dflash/core/records.py",
-    "dflash/core/runmetrics.py", "dflash/core/sampler.py", "dflash/core/autopilot.py",
-    "dflash/model/chunked_ce.py", "dflash/model/drafter.py",
-    "dflash/pipeline/coordinator.py", "dflash/pipeline/optim.py", "dflash/pipeline/telemetry.py",
-    "dflash/pipeline/trainer.py",
-    "dflash/profiles/cpu-smollm2-drafter-bound.toml", "dflash/profiles/cpu-smollm2.toml",
-    "examples/h200-8b-drafter-bound.toml",
-    "simulator/engine.py", "simulator/run.py", "simulator/stream.py",
-    "tests/conftest.py", "tests/test_distributed.py", "tests/test_drafter.py", "tests/test_queue_semantics.py",
-    "tests/test_same_decisions.py", "tests/test_simulator_theory.py",
-    "tuning/validate.py",
-})
+# Files that may still cite an absent document (none: the citations were rewritten in one pass).
+PENDING: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

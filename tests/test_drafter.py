@@ -120,7 +120,7 @@ def test_sample_anchors_eligibility_determinism_no_replacement():
 
 
 # --------------------------------------------------------------------------- no mask leak
-# Anchors closer than B apart (overlapping blocks), the trap REFERENCE.md warns about.
+# Anchors closer than B apart (overlapping blocks), the trap docs/REFERENCE.md warns about.
 LEAK_ANCHORS = [3, 6, 9, 10, 22]
 
 

@@ -1,4 +1,4 @@
-"""DESIGN.md's queue semantics, one rule per test, on the clock-free core."""
+"""docs/ARCHITECTURE.md's queue semantics, one rule per test, on the clock-free core."""
 
 from __future__ import annotations
 

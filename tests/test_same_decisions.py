@@ -3,7 +3,7 @@
 Both are fed one arrival trace with deterministic timing: per producer, a list of (compute
 seconds, item); per drafter, a list of compute seconds per take. The trainer's side is the rank
 job's :class:`dflash.pipeline.coordinator.Coordinator` (the only queue that trains: the pure
-decisions the coordinator thread runs), driven in DESIGN.md's same-instant order (puts before
+decisions the coordinator thread runs), driven in docs/ARCHITECTURE.md's same-instant order (puts before
 takes; producers and drafters by index) as its service thread applies it. The SimPy side runs
 :class:`simulator.engine.SimHSQueue` with ordinary SimPy processes. The take logs (drafter, bucket,
 item ids, in order) must be identical for every policy and both gates, with caps that bind and

@@ -1,14 +1,14 @@
 """The SimPy simulator against queueing theory (in the style of Ciw's tests).
 
 Every test builds the simplest workload (one bucket, every item identical) with exponential target
-and drafter times, so DESIGN.md's pipeline is a continuous-time Markov chain, and compares the
+and drafter times, so docs/ARCHITECTURE.md's pipeline is a continuous-time Markov chain, and compares the
 simulator's own metrics (``dflash.core.runmetrics.run_metrics`` over its records) with exact values:
 
-1. M/M/1/K (DESIGN.md "Theory mapping": min_ready 1, one item per take, one producer, one drafter,
-   K = max_depth + 2), closed form from REFERENCE.md.
+1. M/M/1/K (docs/ARCHITECTURE.md "Theory mapping": min_ready 1, one item per take, one producer, one drafter,
+   K = max_depth + 2), closed form from docs/REFERENCE.md.
 2. The min-ready gate as Neuts' bulk-service (a, b) rule, M/M^(a,b)/1 with a cap that never binds.
 3. Several drafters, several producers and a binding cap (threshold and hysteresis gates), against a
-   finite CTMC built here from DESIGN.md's queue semantics and solved with numpy.
+   finite CTMC built here from docs/ARCHITECTURE.md's queue semantics and solved with numpy.
 
 How the tolerances are set (the same rule everywhere, see ``check``): each case is run with R
 independent seeds (seeds of its own, so cases are independent evidence) after a warm-up, and the
@@ -54,19 +54,19 @@ SAMPLER = Sampler([50] * 1000, WORKLOAD, seed=0)  # one bucket, every item ident
 
 # ============================================================================ exact values
 def mm1k(rho: float, k: int) -> np.ndarray:
-    """Stationary distribution P_0..P_K of M/M/1/K (REFERENCE.md), rho != 1."""
+    """Stationary distribution P_0..P_K of M/M/1/K (docs/REFERENCE.md), rho != 1."""
     n = np.arange(k + 1)
     return rho**n * (1 - rho) / (1 - rho ** (k + 1))
 
 
 def mm1k_mean_in_system(rho: float, k: int) -> float:
-    """REFERENCE.md's closed form for L."""
+    """docs/REFERENCE.md's closed form for L."""
     return rho * (1 - (k + 1) * rho**k + k * rho ** (k + 1)) / ((1 - rho) * (1 - rho ** (k + 1)))
 
 
 @dataclass(frozen=True)
 class BulkService:
-    """M/M^(a,b)/1 (Neuts 1967) as REFERENCE.md states it: P(idle), mean number waiting."""
+    """M/M^(a,b)/1 (Neuts 1967) as docs/REFERENCE.md states it: P(idle), mean number waiting."""
 
     p_idle: float
     mean_waiting: float
@@ -105,7 +105,7 @@ State = tuple[int, int, int, bool]  # (queue depth, busy drafters, blocked produ
 
 
 def _gate_open(p: Pipeline, q: int, blocked: int, latched: bool) -> bool:
-    """DESIGN.md's gate (no drain: producers never close)."""
+    """docs/ARCHITECTURE.md's gate (no drain: producers never close)."""
     if q == 0:
         return False
     if blocked:
@@ -272,7 +272,7 @@ def test_closed_forms_reproduce_reference_checks() -> None:
 
 @pytest.mark.parametrize(("rho", "k"), [(0.9, 10), (1.3, 6), (0.5, 3)])
 def test_chain_oracle_is_mm1k_for_one_producer_one_drafter(rho: float, k: int) -> None:
-    """The CTMC built from DESIGN.md's rules reproduces the theory mapping K = max_depth + 2."""
+    """The CTMC built from docs/ARCHITECTURE.md's rules reproduces the theory mapping K = max_depth + 2."""
     v = solve_chain(Pipeline(lam=rho, mu=1.0, max_depth=k - 2))
     p = mm1k(rho, k)
     assert v.n_states == k + 1

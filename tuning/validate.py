@@ -2,7 +2,7 @@
 
 For every configuration of a selection (the sweep's top-k plus ``baseline`` and ``handpicked``)
 a worker claims it (:mod:`tuning.claims`), trains it for the same budget of takes, measures
-DESIGN.md's metrics with their own standard errors and tau at the end, and simulates the same
+docs/ARCHITECTURE.md's metrics with their own standard errors and tau at the end, and simulates the same
 configuration for the same number of steps under the calibration (several seeds: the prediction's
 spread). When every configuration is done, the worker that sees it writes ``validation.json``
 (prediction, measurement, relative error per metric), picks the validated best by the sweep's own
@@ -46,7 +46,6 @@ from tuning.evidence import (
     chosen_comparisons,
     measured_objectives,
     recommend,
-    takes_to_resolve,
 )
 
 COMPARED = ("throughput_tokens_per_s", "samples_per_s", "mix_efficiency", "mix_entropy", "mix_kl",
@@ -82,8 +81,8 @@ def read_selection(path: str | Path) -> dict[str, Any]:
         raise ConfigError("--selection", "must hold a non-empty 'configs' list of {name, queue} (dflash sweep "
                                          "writes one)", str(path))
     if not any(_valid_queue(c["queue"]) for c in configs):
-        raise ConfigError("--selection", "holds no config with a valid queue table (see DESIGN.md's queue keys)",
-                          str(path))
+        raise ConfigError("--selection", "holds no config with a valid queue table "
+                          "(see docs/ARCHITECTURE.md's queue keys)", str(path))
     return data
 
 
@@ -290,7 +289,7 @@ def train_block(cfg: DflashConfig, run_dir: Path, *, resume: bool, progress: Cal
 
 
 def block_metrics(run_dir: Path, cfg: DflashConfig, t0: float) -> dict[str, Any]:
-    """DESIGN.md's metrics on the block's own records (after ``t0``, the previous block's last take).
+    """docs/ARCHITECTURE.md's metrics on the block's own records (after ``t0``, the previous block's last take).
 
     The depth series starts with the items queued at ``t0``. A held job kept them: the steady state
     goes on and the block is measured from ``t0``. A resumed run replays them and its refill is
@@ -646,10 +645,7 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
         "calibration": args.calibration, "selection": args.selection_path,
         "base_config": base.to_dict(), "chosen": rec.name if rec else None, "tested": chosen,
         "comparisons": [c.as_json() for c in comps],
-        "recommendation": None if rec is None else {
-            "name": rec.name, "candidates": list(rec.candidates), "words": rec.words,
-            "against_best": [c.as_json() for c in rec.against_best],
-            "takes_to_resolve": _takes_to_resolve(comps, args.block_takes)},
+        "recommendation": None if rec is None else rec.as_json(),  # its takes_to_resolve is the printed one
         "best_toml": "best.toml" if best else None, "command": command,
         "devices": {"target": list(base.target.devices), "drafter": list(base.drafter.devices)},
         "goals": GOALS, "configs": configs, "failed": failed, "claims": args.claims_url,
@@ -657,11 +653,6 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
     })
     atomic_write_text(args.out / "validation.json", json.dumps(payload, indent=1))
     return payload
-
-
-def _takes_to_resolve(comps: list[Comparison], block_takes: int) -> int | None:
-    more = [m for m in (takes_to_resolve(c, block_takes) for c in comps) if m is not None]
-    return max(more) if more else None
 
 
 def format_validation(payload: dict[str, Any]) -> str:

@@ -88,7 +88,7 @@ class Decision:
     reason: dict[str, Any]
 
     def record(self) -> dict[str, Any]:
-        """The control record's fields (DESIGN.md records: kind ``control``)."""
+        """The control record's fields (docs/ARCHITECTURE.md records: kind ``control``)."""
         return {"t": self.t, "accepted": True, "change": self.change, "source_of_change": "autopilot",
                 "reason": self.reason}
 

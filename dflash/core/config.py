@@ -1,4 +1,4 @@
-"""The configuration file of DESIGN.md as frozen dataclasses, validated once.
+"""The configuration file of docs/ARCHITECTURE.md as frozen dataclasses, validated once.
 
 One TOML file with the sections ``workload``, ``cluster``, ``queue``, ``target``, ``drafter``,
 ``train``, ``metrics`` and ``sweep``. Flags override file values through :func:`with_overrides`,
@@ -205,7 +205,7 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class QueueConfig:
-    """The knobs of DESIGN.md's queue semantics; valid configs cannot deadlock.
+    """The knobs of docs/ARCHITECTURE.md's queue semantics; valid configs cannot deadlock.
 
     ``mode = "auto"`` hands ``min_ready``/``max_depth`` to the autopilot
     (:mod:`dflash.core.autopilot`): it starts from the configured pair and moves them between takes
@@ -427,7 +427,7 @@ class TimingConfig:
     + drafter_per_anchor_s * anchors`` with anchors = min(drafter.anchors, response tokens) per
     sequence. Each is multiplied by a noise factor of mean 1.
 
-    Defaults: an H200 node with an 8B-class target and a ~1B DFlash drafter, from REFERENCE.md's
+    Defaults: an H200 node with an 8B-class target and a ~1B DFlash drafter, from docs/REFERENCE.md's
     SpecForge figures. Target: ~27K prefill tokens/s per capture GPU -> 37 us/token, 5 ms fixed.
     Drafter: the reported 53 ms fixed cost, with the per-anchor cost derived from the measured
     ~7 samples/s per trainer GPU at 512 anchors per sample (0.27 ms/anchor). The reported 0.73

@@ -3,7 +3,7 @@ constraint and the trainer's pre-flight check.
 
 Out-of-memory is the failure public drafter trainers report most, and the queue knobs decide a good
 part of it: every queued item's hidden states stay on the producer that computed them until a
-drafter takes them (DESIGN.md, distributed pipeline). So a device's bytes are
+drafter takes them (docs/ARCHITECTURE.md, distributed pipeline). So a device's bytes are
 
 - **target device** (one of a target worker's ``gpus_per_target`` GPUs): the target's weights
   (sharded evenly) and the hidden states its worker holds: its share of the queue plus the item it
@@ -92,7 +92,7 @@ def logits_chunk_bytes(cfg: DflashConfig) -> float:
 
 
 def activation_bytes(cfg: DflashConfig) -> float:
-    """What one item's forward keeps for its backward in the draft layers (DESIGN.md: the memory
+    """What one item's forward keeps for its backward in the draft layers (docs/ARCHITECTURE.md: the memory
     model counts what the implementation allocates; counted from ``dflash/model/drafter.py``).
 
     With ``Q`` query positions (sequences x anchors x B), ``N`` key/value positions (sequences x

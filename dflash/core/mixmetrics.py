@@ -128,7 +128,7 @@ class MixMetrics:
 
 def mix_metrics(item_buckets: Sequence[int], item_padded_lens: Sequence[float],
                 take_buckets: Sequence[int], p: Sequence[float], window: int = 32) -> MixMetrics:
-    """All take-log mix metrics of DESIGN.md.
+    """All take-log mix metrics of docs/ARCHITECTURE.md.
 
     ``item_buckets``/``item_padded_lens``: one entry per taken item in global take order;
     ``take_buckets``: one entry per take (a take of several items counts once for streaks).

@@ -1,4 +1,4 @@
-"""DESIGN.md's two named reference configurations, which every report places next to a tuned one.
+"""docs/ARCHITECTURE.md's two named reference configurations, which every report places next to a tuned one.
 
 ``baseline`` is the setting before the reported change (min-ready 10, max depth 30: its old max depth
 was not reported, 30 keeps the same 1:3 ratio); ``handpicked`` is the reported change (30/90). Both

@@ -1,6 +1,6 @@
 """The hidden-state queue's decisions, with no threads and no clock.
 
-:class:`QueueCore` holds the bucket contents and answers the questions of DESIGN.md's queue
+:class:`QueueCore` holds the bucket contents and answers the questions of docs/ARCHITECTURE.md's queue
 semantics: may this producer put (the cap), may a drafter take and why (the gate), and which items
 a take removes (the policy, oldest first inside a bucket). It never blocks and never reads a clock;
 callers pass the time in. The trainer's coordinator (:mod:`dflash.pipeline.coordinator`, run by one
@@ -98,7 +98,7 @@ class QueueCore:
     def admissible(self, producer: int, item: QueueItem) -> bool:
         """May this producer put now? Its item fits and no lower-index blocked producer's does.
 
-        This is DESIGN.md's "among producers by worker index": when a take frees room, blocked
+        This is docs/ARCHITECTURE.md's "among producers by worker index": when a take frees room, blocked
         producers enter in index order. The threaded queue and the SimPy engine both obey it.
         """
         return self.fits(item) and not any(

@@ -1,4 +1,4 @@
-"""The run-record schema shared by real and simulated runs (DESIGN.md "Records").
+"""The run-record schema shared by real and simulated runs (docs/ARCHITECTURE.md "Records").
 
 Append-only JSONL, one file per kind, flushed per write so a killed run keeps what it wrote.
 Mix metrics, calibration and reports read either source through :func:`read_records`, which is

@@ -1,4 +1,4 @@
-"""DESIGN.md's run metrics, computed from the shared records of a real or a simulated run.
+"""docs/ARCHITECTURE.md's run metrics, computed from the shared records of a real or a simulated run.
 
 One function for both sources is the point: a simulated and a measured ``throughput_tokens_per_s``
 or ``mix_efficiency`` are the same computation over the same record fields, so comparing them is a
@@ -138,7 +138,7 @@ def clipped(a: Iterable[float], b: Iterable[float], start: float, end: float) ->
 def run_metrics(trace: RunTrace, *, p: Sequence[float], min_ready: int, window: int, warmup_s: float,
                 close_t: float, n_target: int, n_drafter: int, n_buckets: int,
                 open_intervals: Mapping[str, Sequence[tuple[float, float]]] | None = None) -> dict[str, Any]:
-    """Every DESIGN.md metric that the produce and take records determine.
+    """Every docs/ARCHITECTURE.md metric that the produce and take records determine.
 
     Take records must carry ``compute_s`` (the drafter's compute time for that take), ``tokens``
     and ``n_seqs``; the trained work of a take counts when its compute ends inside the span.
@@ -257,7 +257,7 @@ def _max_item_age(put_t: np.ndarray, put_bucket: Sequence[int], take_t: np.ndarr
 
 def loss_roughness(losses: Sequence[float | None], first_step: int = 0, last_step: int | None = None
                    ) -> dict[str, Any]:
-    """DESIGN.md's ``loss_roughness``: std of first differences of the per-step loss / mean loss,
+    """docs/ARCHITECTURE.md's ``loss_roughness``: std of first differences of the per-step loss / mean loss,
     over steps [first_step, last_step] (stated beside it). Steps without a loss (no anchors) are
     skipped; None when fewer than three losses are left."""
     last = len(losses) - 1 if last_step is None else last_step

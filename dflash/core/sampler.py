@@ -196,7 +196,7 @@ class Sampler:
         return [c / total for c in counts]
 
     def sequence_shares(self) -> list[float]:
-        """Share of sequences (not items) per bucket: what REFERENCE.md's measured shares describe."""
+        """Share of sequences (not items) per bucket: what docs/REFERENCE.md's measured shares describe."""
         counts = [len(s) for s in self._by_bucket]
         total = sum(counts)
         return [c / total for c in counts]

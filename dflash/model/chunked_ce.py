@@ -4,7 +4,7 @@ Why: the loss's rows are anchors x (block - 1) per sequence (7,680 for one seque
 and block 16) and the target's vocabulary is up to ~152k, so the ``[rows, vocab]`` logits the
 unchunked loss materialises (in the head's dtype, a float32 copy, the log-softmax and its
 gradient) are 13.5 GB for that one sequence and 122 GiB for an 8-sequence item: more than the rest
-of the drafter together (REFERENCE.md, "Drafter loss memory at large vocabularies").
+of the drafter together (docs/REFERENCE.md, "Drafter loss memory at large vocabularies").
 
 How: :class:`ChunkedLinearCrossEntropy` runs the head and the cross-entropy on at most
 ``chunk_rows`` rows at a time and, when the rows need a gradient, computes that gradient in the same

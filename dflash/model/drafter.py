@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter and its training loss (REFERENCE.md, "The DFlash drafter").
+"""The DFlash block-diffusion drafter and its training loss (docs/REFERENCE.md, "The DFlash drafter").
 
 Shape of the model:
 
@@ -641,7 +641,7 @@ def _frozen_copy(mod: nn.Module, device: torch.device) -> nn.Module:
 
 
 def lm_head_flops(anchors: int, block_size: int, vocab: int, hidden: int) -> float:
-    """Forward FLOPs of the LM head over all slots (REFERENCE.md's dominant-cost estimate)."""
+    """Forward FLOPs of the LM head over all slots (docs/REFERENCE.md's dominant-cost estimate)."""
     return 2.0 * anchors * block_size * vocab * hidden
 
 

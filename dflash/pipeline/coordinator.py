@@ -1,7 +1,7 @@
 """The distributed queue's decisions: which producer may put, which drafter gets which item, in which round.
 
 :class:`Coordinator` wraps the one :class:`dflash.core.queue_core.QueueCore` (the gate, cap, policy and
-same-instant order of DESIGN.md, unchanged) for a job of many ranks. Producers report an item
+same-instant order of docs/ARCHITECTURE.md, unchanged) for a job of many ranks. Producers report an item
 *ready* (its id, bucket, shapes, bytes: never the tensor); the item is put at once if it fits, else
 its producer is blocked at the cap until a take frees room. Drafters *request* work; :meth:`serve`
 answers waiting requests in drafter-index order, each take re-checking the gate, and numbers every
@@ -173,7 +173,7 @@ class Coordinator:
                           tuple(transfers))
 
     def _admit_blocked(self, t: float) -> list[Action]:
-        """Blocked producers enter in index order while they fit (DESIGN.md: among producers by index)."""
+        """Blocked producers enter in index order while they fit (docs/ARCHITECTURE.md: among producers by index)."""
         out: list[Action] = []
         progress = True
         while progress and not self.stopped:

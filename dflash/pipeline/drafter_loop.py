@@ -87,6 +87,7 @@ class DrafterLoop:
             bye: dict[str, Any] = {"op": "bye"}
             if self.host:
                 bye["summary"] = {"steps": step, "stopped_by": stopped_by, "wall_s": time.perf_counter() - wall0,
+                                  "data_plane": rr.plane,
                                   "stage_means_s": {k: tot / n for k, (tot, n) in self.stage_totals.items() if n}}
             rr.channel.send(bye)
             if self.host:

@@ -21,7 +21,7 @@ from dflash.core.config import TrainConfig
 from dflash.core.schedule import Schedule
 
 BETAS = (0.9, 0.999)  # torch's AdamW defaults, as upstream trains with
-WEIGHT_DECAY = 0.0  # upstream's (SpecForge BF16Optimizer default; REFERENCE.md's recipe)
+WEIGHT_DECAY = 0.0  # upstream's (SpecForge BF16Optimizer default; docs/REFERENCE.md's recipe)
 EPS = 1e-8
 
 

@@ -196,7 +196,7 @@ class CoordinatorService:
         item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len, msg["nbytes"],
                          payload=msg["meta"])
         self._items[spec.item_id] = {**msg, "t_end": t, "t_start": t - msg["compute_s"], "rank": rank}
-        self.telemetry.add(rank, {"target_forward_s": msg["compute_s"]}, msg.get("gpu"))
+        self.telemetry.add(rank, {"target_forward_s": msg["compute_s"], **msg.get("stages", {})}, msg.get("gpu"))
         if self.coord.stopped:
             self.hub.send(rank, {"op": "stop"})
             return
@@ -212,7 +212,7 @@ class CoordinatorService:
         self.records.write("produce", t=info["t_end"], item_id=item_id, worker=info["rank"], rank=info["rank"],
                            pid=info["pid"], bucket=spec.bucket, n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
                            padded_len=spec.padded_len, t_start=info["t_start"], t_end=info["t_end"],
-                           blocked_s=blocked_s, bytes=info["nbytes"], t_put=t)
+                           blocked_s=blocked_s, bytes=info["nbytes"], t_put=t, stages=info.get("stages", {}))
 
     def _on_closed(self, rank: int, msg: dict[str, Any], t: float) -> None:
         self._closed_producers.add(rank)

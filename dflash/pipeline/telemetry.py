@@ -2,7 +2,7 @@
 
 Everything here is optional to the run: a missing NVML, a W&B that fails to start or to log, is
 reported once (through ``warn``, default :mod:`logging`) and the run carries on without it. Each part
-returns flat ``{key: number}`` dicts under the metric names of DESIGN.md / issue 5, so one merged
+returns flat ``{key: number}`` dicts under the metric names of docs/ARCHITECTURE.md / issue 5, so one merged
 dict goes to both W&B and the local records (nothing depends on W&B being reachable). Neither
 ``wandb`` nor ``pynvml`` is imported until a part that needs it starts; torch-free.
 
@@ -12,7 +12,7 @@ Parts:
   and SM clock every ``interval_s``; :func:`gpu_metrics` turns drained samples into ``gpu/<i>/...``.
 - :class:`StageTimer`: per-stage durations since the last flush; ``metrics()`` gives
   ``stage/<name>_mean`` and ``stage/<name>_p95`` (and resets).
-- :class:`RollingMix`: DESIGN.md's mix metrics (:func:`dflash.core.mixmetrics.mix_metrics`) over the
+- :class:`RollingMix`: docs/ARCHITECTURE.md's mix metrics (:func:`dflash.core.mixmetrics.mix_metrics`) over the
   last N taken items.
 - :class:`WandbLogger`: ``offline`` (default; ``wandb sync DIR`` uploads later), ``online`` or
   ``disabled`` (imports nothing).
@@ -302,11 +302,11 @@ MIX_KEYS = ("mix_entropy", "mix_efficiency", "mix_kl", "length_autocorr", "max_b
 
 
 class RollingMix:
-    """DESIGN.md's mix metrics over the last ``max_items`` taken items (default 32 windows of W).
+    """docs/ARCHITECTURE.md's mix metrics over the last ``max_items`` taken items (default 32 windows of W).
 
     Feed every take in global take order with :meth:`add_take` (or :meth:`add_entry` for a take log
     entry / take record); a take cut by the rolling edge still counts once for streaks. ``p`` is the
-    item mix (``sampler.item_mix()``), ``window`` DESIGN.md's W.
+    item mix (``sampler.item_mix()``), ``window`` docs/ARCHITECTURE.md's W.
     """
 
     def __init__(self, p: Sequence[float], window: int = 32, max_items: int | None = None) -> None:

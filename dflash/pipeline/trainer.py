@@ -33,7 +33,7 @@ class JobFailed(RuntimeError):
 @dataclass(frozen=True)
 class JobResult:
     out: Path
-    summary: dict[str, Any]  # the run's last summary record (DESIGN.md's counts)
+    summary: dict[str, Any]  # the run's last summary record (docs/ARCHITECTURE.md's counts)
     metrics: dict[str, Any]  # metrics.json, written by the host rank at the end
 
 
