@@ -63,11 +63,13 @@ def epoch_run(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> dict:  # 
 
 @pytest.fixture(scope="module")
 def step_run(tmp_path_factory: pytest.TempPathFactory, run_inputs):  # noqa: F811
-    """Twelve steps through the library call (the rank job, started from this process)."""
+    """Twelve steps through the library call (the rank job, started from this process), with an
+    acceptance-length evaluation every 6 steps."""
     from dflash.pipeline.trainer import train
 
     d = tmp_path_factory.mktemp("steps")
-    cfg = load_config(write_cfg(d / "cfg.toml", run_inputs, max_steps=12, log_every=1000))
+    cfg = load_config(write_cfg(d / "cfg.toml", run_inputs, max_steps=12, log_every=1000, eval_every=6,
+                                eval_prompts=2, eval_new_tokens=8))
     return train(cfg, d / "run", wait_s=60.0, pg_timeout_s=60.0)
 
 
@@ -173,3 +175,10 @@ def test_no_second_training_loop_is_left() -> None:
         importlib.import_module("dflash.pipeline.hsqueue")
     assert not hasattr(trainer, "Trainer") and not (ROOT / "dflash" / "pipeline" / "hsqueue.py").exists()
     assert "launch(" in Path(trainer.__file__).read_text()  # the library call starts the job
+
+
+def test_eval_every_measures_tau_on_conversations_not_trained_into_the_step_record(step_run) -> None:
+    """``[train] eval_every``: the host drafter rank runs real speculative decoding between steps."""
+    evals = [(r["step"], r["eval"]) for r in read_records(step_run.out, "step") if r.get("eval")]
+    assert [s for s, _ in evals] == [5, 11]
+    assert all(1.0 <= e["tau"] <= 8.0 and e["prompts"] == 2 for _, e in evals)  # block size 8

@@ -66,6 +66,8 @@ class DrafterLoop:
                 info["step_s"] = time.perf_counter() - ts
                 self._add_stages(res.stages)
                 skipped = info.pop("skipped")  # no anchor in any take: not a step (the same number again)
+                if self.host and not skipped and train.eval_every and (step + 1) % train.eval_every == 0:
+                    info["eval"] = self.evaluate(step, wb)  # into this step's record
                 rr.channel.send({"op": "done", "step": step, "pid": os.getpid(), "takes": res.takes,
                                  "stages": res.stages, "step_info": info if self.host else None,
                                  "gpu": rr.gpu_samples(), "skipped": skipped})
@@ -177,6 +179,38 @@ class DrafterLoop:
         self.rr.progress(f"step {step + 1:>5}  loss {loss_txt}  lr {info['lr']:.2e}  tokens/s {tokens_per_s:,.0f}  "
                          f"queue depth {q['depth']} {q['bucket_depths']}  mix_efficiency(rolling) {mix_txt}  "
                          f"ranks {self.rr.roles.world_size}")
+
+    def evaluate(self, step: int, wb: Any) -> dict[str, Any] | None:
+        """Acceptance length tau (real speculative decoding) on prompts of conversations not trained so far.
+
+        Host rank only; the other drafter ranks wait for it in the next step's stop agreement. It needs
+        the target and the drafter on one device: a drafter rank keeps its target copy on the CPU, so on a
+        GPU this says once that it is skipped (``dflash eval`` after training measures the same thing).
+        """
+        from dflash.core.records import read_records
+        from dflash.model.acceptance import evaluate_acceptance, render_prompt, select_heldout
+
+        rr, c = self.rr, self.cfg.train
+        if next(rr.drafter.parameters()).device != next(rr.target.model.parameters()).device:
+            if not getattr(self, "_eval_skip_said", False):
+                rr.progress("train.eval_every: skipped on this placement (the drafter rank holds the target on the "
+                            "CPU); measure tau after training with dflash eval")
+                self._eval_skip_said = True
+            return None
+        taken = [i for r in read_records(rr.out, "take") for i in r["item_ids"]]
+        used = {rr.data.conversations[k].id for k in rr.sampler.sequences_of(taken)}
+        chosen = select_heldout(rr.data.conversations, c.eval_prompts, self.cfg.seed + 1, skip_ids=used)
+        prompts = [render_prompt(rr.target.tokenizer, conv) for conv in chosen]
+        rr.drafter.eval()
+        try:
+            res = evaluate_acceptance(rr.target, rr.drafter, prompts, max_new_tokens=c.eval_new_tokens)
+        finally:
+            rr.drafter.train()
+        if wb is not None:
+            wb.log({"eval/tau": res["tau"]}, step=step)
+        rr.progress(f"eval after step {step + 1}: tau {res['tau']:.3f} on {res['num_prompts']} held-out prompts")
+        return {"tau": res["tau"], "acceptance_rate_per_position": res["acceptance_rate_per_position"],
+                "prompts": res["num_prompts"], "tokens_per_s": res["tokens_per_s"]}
 
     def checkpoint(self, step: int) -> None:
         """The drafter's state and the coordinator's snapshot at ``step`` (after the ledger committed it)."""
