@@ -25,7 +25,7 @@ from typing import Any
 
 import simpy
 
-from dflash.core.autopilot import Autopilot, QueueState
+from dflash.core.autopilot import Autopilot, QueueState, queue_memory_budget
 from dflash.core.config import DflashConfig
 from dflash.core.memory_model import allreduce_seconds, bytes_per_token, fullest_device_bytes
 from dflash.core.queue_core import QueueCore, QueueItem
@@ -129,8 +129,9 @@ class _Pipeline:
         self.budget_done = env.event()
         # [queue] mode = "auto": the autopilot (the coordinator's own code) sees every put and take and
         # may change min_ready/max_depth between takes; its decisions are kept as control records
+        budget = queue_memory_budget(cfg.sweep.memory_budget_gib)
         self.autopilot = Autopilot(cfg.queue, self.mix, window=cfg.metrics.window, n_target=self.n_target,
-                                   n_drafter=self.n_drafter, memory_bytes=_queue_memory_budget(cfg), seed=cfg.seed) \
+                                   n_drafter=self.n_drafter, memory_bytes=budget, seed=cfg.seed) \
             if cfg.queue.mode == "auto" else None
         self.controls: list[dict[str, Any]] = []
         self.knobs: list[tuple[float, int, int]] = [(0.0, cfg.queue.min_ready, cfg.queue.max_depth)]
@@ -355,13 +356,6 @@ def _sequence_anchors(cfg: DflashConfig, sampler: Sampler) -> list[int]:
         per_sampler[key] = [anchors_for([n], cfg.timing, cfg.drafter, None if prompts is None else [prompts[k]])
                             for k, n in enumerate(sampler.lengths)]
     return per_sampler[key]
-
-
-def _queue_memory_budget(cfg: DflashConfig) -> int | None:
-    """Bytes of queued hidden states the autopilot may plan for: the sweep's per-device memory budget,
-    when one is set (the queue lives on the target devices; their other memory is not subtracted)."""
-    gib = cfg.sweep.memory_budget_gib
-    return None if gib is None else int(gib * 2**30)
 
 
 def _transfer_s_per_byte(cfg: DflashConfig) -> list[list[float]]:

@@ -390,3 +390,10 @@ class Autopilot:
         self.smoothed = state["smoothed"]
         self.put_bytes, self.put_items = int(state["put_bytes"]), int(state["put_items"])
         self.decisions = int(state["decisions"])
+
+
+def queue_memory_budget(memory_budget_gib: float | None) -> int | None:
+    """Bytes of queued hidden states the autopilot may plan for: the sweep's per-device memory budget,
+    when one is set (the queue lives on the target devices; their other memory is not subtracted).
+    One home for the simulator and the coordinator."""
+    return None if memory_budget_gib is None else int(memory_budget_gib * 2**30)

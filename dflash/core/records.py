@@ -141,6 +141,21 @@ def export_parquet(run_dir: str | Path) -> list[Path]:
         if not rows:
             continue
         path = Path(run_dir) / f"{kind}.parquet"
-        pd.DataFrame(rows).to_parquet(path, index=False)
+        pd.DataFrame(_one_type_per_column(rows)).to_parquet(path, index=False)
         out.append(path)
     return out
+
+
+def _one_type_per_column(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parquet wants one type per column; a field whose records disagree (a control record's ``reason`` is
+    a sentence for a rejected change and a table for an autopilot decision) is stored as JSON text."""
+    kinds: dict[str, set[str]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if v is not None:
+                kinds.setdefault(k, set()).add("number" if isinstance(v, int | float) and not isinstance(v, bool)
+                                               else type(v).__name__)
+    mixed = {k for k, ts in kinds.items() if len(ts) > 1}
+    if not mixed:
+        return rows
+    return [{k: json.dumps(v) if k in mixed and v is not None else v for k, v in r.items()} for r in rows]

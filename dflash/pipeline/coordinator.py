@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash.core.autopilot import Autopilot, QueueState
 from dflash.core.config import QueueConfig
 from dflash.core.queue_core import QueueCore, QueueItem
 
@@ -106,6 +107,10 @@ class Coordinator:
     served_in_step: dict[int | None, set[int]] = field(default_factory=dict)
     owner: dict[str, int] = field(default_factory=dict)  # queued or blocked item id -> producer
     resident: list[int] = field(default_factory=list)  # bytes each producer holds, not yet assigned
+    # [queue] mode = "auto": the queue autopilot (dflash.core.autopilot, the simulator's own code) sees every
+    # put and take and may change the knobs between takes; its decisions wait in ``controls`` for the caller
+    autopilot: Autopilot | None = None
+    controls: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.core = QueueCore(self.config, self.n_buckets, mix=self.mix, seed=self.seed)
@@ -120,6 +125,8 @@ class Coordinator:
         self.resident[producer] += item.nbytes
         if self.core.admissible(producer, item):
             self.core.put(item, t)
+            if self.autopilot is not None:
+                self.autopilot.observe_put(t, item.bucket, item.nbytes, 0.0)
             return True
         self.core.block(producer, item.nbytes)
         self.blocked[producer] = _Blocked(item, t)
@@ -169,6 +176,8 @@ class Coordinator:
             self.resident[producer] -= item.nbytes
             self.round += 1
             transfers.append(Transfer(self.round, item.item_id, producer, d, item.payload))
+        if self.autopilot is not None:
+            self._steer(t, bucket, len(items), t - req.t)
         return Assignment(d, req.step, t, bucket, reason, t - req.t, depth_before, bucket_depths, tuple(items),
                           tuple(transfers))
 
@@ -184,6 +193,8 @@ class Coordinator:
                     del self.blocked[w]
                     self.core.unblock(w)
                     self.core.put(b.item, t)
+                    if self.autopilot is not None:
+                        self.autopilot.observe_put(t, b.item.bucket, b.item.nbytes, t - b.t)
                     out.append(Admit(w, b.item.item_id, t, t - b.t))
                     progress = True
                     break
@@ -202,6 +213,15 @@ class Coordinator:
         served.add(d)
         if len(served) == self.n_drafters:
             del self.served_in_step[step]
+
+    def _steer(self, t: float, bucket: int, n_items: int, wait_s: float) -> None:
+        """The autopilot sees the take; a decision applies before the next take (as in the simulator)."""
+        assert self.autopilot is not None
+        self.autopilot.observe_take(t, bucket, n_items, wait_s)
+        decision = self.autopilot.decide(t, QueueState(self.core.depth, self.core.queued_bytes, len(self.blocked)))
+        if decision is not None:
+            self.reconfigure(decision.config)
+            self.controls.append(decision.record())
 
     # ---------------------------------------------------------------- stopping and re-tuning
     def reconfigure(self, config: QueueConfig) -> None:

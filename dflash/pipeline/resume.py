@@ -29,7 +29,8 @@ def resolve_resume(out: Path, progress: Callable[[str], None]) -> tuple[int, str
     state = ResumeState(feed=feed, t=float(meta["t"]), queue_core=meta["queue_core"],
                         counts={"trained": int(meta["trained"]), "replayed": int(meta.get("replayed", 0)),
                                 "skipped_no_anchors": int(meta.get("skipped_no_anchors", 0))},
-                        control_serial=int(meta.get("control_serial", 0)), queue_config=meta.get("queue_config"))
+                        control_serial=int(meta.get("control_serial", 0)), queue_config=meta.get("queue_config"),
+                        autopilot=meta.get("autopilot"))
     progress(f"resumed at step {step + 1} from {ckpt}; replaying {len(feed['pending'])} items in flight; "
              f"ledger commits dropped after it: {later}; records dropped: {dropped}")
     return step + 1, str(meta["run_id"]), state, ckpt

@@ -44,6 +44,7 @@ class ResumeState:
     counts: dict[str, int] = dataclasses.field(default_factory=lambda: {"trained": 0, "replayed": 0})
     control_serial: int = 0
     queue_config: dict[str, Any] | None = None  # the queue as it was at the checkpoint (live changes kept)
+    autopilot: dict[str, Any] | None = None  # the queue autopilot's state ([queue] mode = "auto")
 
 
 class RankTelemetry:
@@ -91,6 +92,10 @@ class CoordinatorService:
                                  mix=sampler.item_mix(), seed=cfg.seed, sync=cfg.cluster.drafter_sync)
         if resume.queue_core is not None:
             self.coord.core.load_state_dict(resume.queue_core)
+        if cfg.queue.mode == "auto":
+            self.coord.autopilot = self._new_autopilot(cfg)
+            if resume.autopilot is not None:
+                self.coord.autopilot.load_state_dict(resume.autopilot)
         self.feed = ItemFeed(sampler, cfg.train.epochs, resume.feed["epoch"], resume.feed["index"],
                              replay=resume.feed["pending"])
         self.before = dict(resume.counts)
@@ -124,6 +129,22 @@ class CoordinatorService:
         self._pause_t = 0.0
         self._parked: list[int] = []  # producers waiting for their admit while paused
         self._computing: set[int] = set()  # producers admitted to compute an item not yet reported ready
+
+    def _new_autopilot(self, cfg: DflashConfig) -> Any:
+        from dflash.core.autopilot import Autopilot, queue_memory_budget
+
+        return Autopilot(cfg.queue, self.sampler.item_mix(), window=cfg.metrics.window, n_target=self.roles.n_target,
+                         n_drafter=self.roles.n_drafter, memory_bytes=queue_memory_budget(cfg.sweep.memory_budget_gib),
+                         seed=cfg.seed)
+
+    def _write_decisions(self) -> None:
+        """The autopilot's changes since the last look, as control records with their reasons."""
+        for rec in self.coord.controls:
+            rec = dict(rec)
+            self.records.write("control", t=rec.pop("t"), step=None, **rec)
+            self.progress(f"queue autopilot: {rec['change']} ({rec['reason'].get('rule', 'decision')})")
+        self.coord.controls.clear()
+        self.cfg = dataclasses.replace(self.cfg, queue=self.coord.config)  # checkpoints keep the knobs it set
 
     # ------------------------------------------------------------------ lifecycle
     def now(self) -> float:
@@ -170,6 +191,8 @@ class CoordinatorService:
             self._last_control_poll = t
             self._apply_control(step=None)
         self._dispatch(self.coord.serve(t), t)
+        if self.coord.controls:
+            self._write_decisions()
 
     def _on_next(self, rank: int, msg: dict[str, Any], t: float) -> None:
         self._admit_next(rank)
@@ -339,6 +362,7 @@ class CoordinatorService:
             self.ledger.sync()
             return {"t": self.now(), "feed": self.feed.state(), "queue_core": self.coord.core.state_dict(),
                     "queue_config": dict(self.cfg.queue.__dict__), "control_serial": self.control.serial,
+                    "autopilot": None if self.coord.autopilot is None else self.coord.autopilot.state_dict(),
                     "ledger_step": step,
                     "trained": self.before["trained"] + self.trained,
                     "skipped_no_anchors": self.before.get("skipped_no_anchors", 0) + self.skipped,
@@ -395,13 +419,22 @@ class CoordinatorService:
         try:
             if not isinstance(change, dict) or not change:
                 raise ConfigError("control", "must hold a non-empty 'queue' table", change)
-            cfg = with_overrides(self.cfg, {f"queue.{k}": v for k, v in change.items()})
+            overrides = {f"queue.{k}": v for k, v in change.items()}
+            if self.cfg.queue.mode == "auto" and "mode" not in change:
+                overrides["queue.mode"] = "static"  # a person set the knobs: the run is manual from here
+            cfg = with_overrides(self.cfg, overrides)
         except (ConfigError, TypeError, ValueError) as exc:
             reason = exc.line() if isinstance(exc, ConfigError) else f"control: {exc}"
             self.records.write("control", t=self.now(), accepted=False, change=rejected_change(change), step=step,
                                serial=ctl["serial"], reason=reason)
             self.progress(f"live change #{ctl['serial']} rejected: {reason}")
             return
+        if cfg.queue.mode == "auto" and self.coord.autopilot is None:
+            self.coord.autopilot = self._new_autopilot(cfg)
+            self.progress("queue autopilot: on (tune-live --queue auto); it starts from the current knobs")
+        elif cfg.queue.mode != "auto" and self.coord.autopilot is not None:
+            self.coord.autopilot = None
+            self.progress("queue autopilot: off, the knobs are manual now (tune-live --queue auto hands them back)")
         self.cfg = cfg
         self.coord.reconfigure(cfg.queue)
         self.records.write("control", t=self.now(), accepted=True, change=change, step=step, serial=ctl["serial"],
