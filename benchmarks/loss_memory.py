@@ -2,7 +2,7 @@
 and one whole training step against the memory model (:mod:`dflash.core.memory_model`).
 
 Why in child processes: each measurement is the kernel's peak resident size of a fresh process
-(``ru_maxrss``) minus its size once the model is built, so nothing an earlier case allocated (or
+(``VmHWM``) minus its size once the model is built, so nothing an earlier case allocated (or
 the allocator kept) is counted, and a case that needs 13 GB does not stay in the parent.
 
 The case of issue #25: one 3,072-token sequence, 512 anchors, block 16, a 151,936-row vocabulary, a
@@ -125,6 +125,17 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _peak_rss() -> int:
+    """This process image's peak resident size (VmHWM). Not ``ru_maxrss``: Linux carries that across
+    exec from the forked parent, so a child of a large process (pytest after many tests: 1.2 GB) read
+    the parent's size as its own peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """Runs in a fresh process: the peak above the built model of one loss step (or a training step)."""
     import torch
@@ -145,7 +156,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode == "train":
         opt.step()
     dt = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss()
     return {"mode": args.mode, "peak_above_model": peak - base, "peak_above_start": peak - base_process,
             "model_bytes": base - base_process, "seconds": dt, "tokens": case.last_tokens, "params": params}
 
