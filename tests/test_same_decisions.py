@@ -18,6 +18,7 @@ import random
 import pytest
 import simpy
 
+from dflash.core.autopilot import Autopilot, QueueState
 from dflash.core.config import QueueConfig
 from dflash.core.queue_core import QueueCore, QueueItem
 from simulator.engine import SimHSQueue
@@ -46,23 +47,40 @@ def make_trace(seed: int, n_prod: int = 3, n_draft: int = 2, items_per_prod: int
 
 
 # --------------------------------------------------------------------------- SimPy side
-def run_simpy(cfg: QueueConfig, trace: Trace, seed: int,
-              reasons: list[str] | None = None) -> list[tuple[int, int, tuple[str, ...]]]:
+def run_simpy(cfg: QueueConfig, trace: Trace, seed: int, reasons: list[str] | None = None,
+              autopilot: Autopilot | None = None,
+              controls: list[tuple[float, dict]] | None = None) -> list[tuple[int, int, tuple[str, ...]]]:
+    """With ``autopilot``: wired as ``simulator/run.py`` wires it (every put and take observed, a decision
+    applied to the core inside the take), its decisions appended to ``controls``."""
     producers, drafters = trace
     env = simpy.Environment()
     log: list[tuple[int, int, tuple[str, ...]]] = []
+    core = QueueCore(cfg, N_BUCKETS, mix=MIX, seed=seed)
+    computed_at: dict[str, float] = {}
 
     def on_take(ev, items, reason, depth_before, bucket_depths):
         log.append((ev.index, items[0].bucket, tuple(i.item_id for i in items)))
         if reasons is not None:
             reasons.append(reason)
+        if autopilot is not None:
+            autopilot.observe_take(env.now, items[0].bucket, len(items), env.now - ev.t_request)
+            d = autopilot.decide(env.now, QueueState(core.depth, core.queued_bytes, len(core.blocked)))
+            if d is not None:
+                core.reconfigure(d.config)
+                assert controls is not None
+                controls.append((d.t, d.change))
 
-    queue = SimHSQueue(env, QueueCore(cfg, N_BUCKETS, mix=MIX, seed=seed), on_take)
+    def on_put(t, item):
+        if autopilot is not None:
+            autopilot.observe_put(t, item.bucket, item.nbytes, t - computed_at[item.item_id])
+
+    queue = SimHSQueue(env, core, on_take, on_put)
     left = [len(producers)]
 
     def producer(w):
         for dur, item in producers[w]:
             yield queue.compute(dur)
+            computed_at[item.item_id] = env.now
             yield from queue.put_item(item, w)
         left[0] -= 1
         if left[0] == 0:
@@ -116,7 +134,8 @@ def test_the_traces_exercise_ties_the_cap_and_the_drain(min_ready: int, max_dept
 
 
 # --------------------------------------------------------------------------- the distributed coordinator
-def run_coordinator(cfg: QueueConfig, trace: Trace, seed: int) -> list[tuple[int, int, tuple[str, ...]]]:
+def run_coordinator(cfg: QueueConfig, trace: Trace, seed: int, autopilot: Autopilot | None = None,
+                    controls: list[tuple[float, dict]] | None = None) -> list[tuple[int, int, tuple[str, ...]]]:
     """Discrete-event driver of the multi-rank coordinator's pure decisions.
 
     The same-instant order is the service thread's: every ready report of an instant is applied (in
@@ -125,7 +144,8 @@ def run_coordinator(cfg: QueueConfig, trace: Trace, seed: int) -> list[tuple[int
     from dflash.pipeline.coordinator import Admit, Assignment, Coordinator, NoWork
 
     producers, drafters = trace
-    coord = Coordinator(cfg, N_BUCKETS, len(producers), len(drafters), mix=MIX, seed=seed, sync="none")
+    coord = Coordinator(cfg, N_BUCKETS, len(producers), len(drafters), mix=MIX, seed=seed, sync="none",
+                        autopilot=autopilot)
     events: list[tuple[float, int, int]] = []
     next_item = [0] * len(producers)
     takes_done = [0] * len(drafters)
@@ -177,6 +197,8 @@ def run_coordinator(cfg: QueueConfig, trace: Trace, seed: int) -> list[tuple[int
                 coord.request(idx, None, t)
         serve(t)
     assert rounds == list(range(1, len(rounds) + 1))  # one global, gap-free round numbering
+    if controls is not None:
+        controls.extend((c["t"], c["change"]) for c in coord.controls)
     return log
 
 
@@ -195,3 +217,25 @@ def test_the_coordinator_decides_like_the_simulator(policy: str, gate: str, min_
     assert sum(len(ids) for _, _, ids in sim_log) == sum(len(s) for s in trace[0])  # each item once
     assert coord_log == sim_log
     assert {d for d, _, _ in coord_log} == {0, 1}  # both drafters took
+
+
+@pytest.mark.parametrize("policy", ["random_item", "fullest", "proportional"])
+@pytest.mark.parametrize(("min_ready", "max_depth"), [(4, 12), (10, 20)])
+@pytest.mark.parametrize("n_prod", [3, 2])
+def test_the_coordinator_and_the_simulator_steer_the_autopilot_alike(policy: str, min_ready: int, max_depth: int,
+                                                                     n_prod: int) -> None:
+    """``[queue] mode = "auto"``: the same trace gives the same takes and the same knob changes at the same
+    instants in the coordinator (the trainer) and the SimPy engine (the simulator), and the knobs do move."""
+    cfg = QueueConfig(min_ready=min_ready, max_depth=max_depth, policy=policy, mode="auto", auto_min_ready=2)
+    trace = make_trace(seed=min_ready * 13 + max_depth + n_prod, n_prod=n_prod, n_draft=2, items_per_prod=60)
+
+    def pilot() -> Autopilot:
+        return Autopilot(cfg, MIX, window=2, n_target=n_prod, n_drafter=2, seed=11)
+
+    sim_controls: list[tuple[float, dict]] = []
+    coord_controls: list[tuple[float, dict]] = []
+    sim_log = run_simpy(cfg, trace, seed=7, autopilot=pilot(), controls=sim_controls)
+    coord_log = run_coordinator(cfg, trace, seed=7, autopilot=pilot(), controls=coord_controls)
+    assert sim_controls, "the autopilot changed nothing: the case does not test it"
+    assert coord_controls == sim_controls
+    assert coord_log == sim_log
