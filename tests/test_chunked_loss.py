@@ -16,11 +16,9 @@ from dflash.core.config import DrafterConfig, config_from_dict
 from dflash.core.errors import ConfigError
 from dflash.model.chunked_ce import DEFAULT_CHUNK_ROWS, chunked_linear_cross_entropy
 from dflash.model.drafter import DFlashDrafter, DrafterSpec, sample_anchors
-from dflash.model.target import HiddenStateCapture
+from tests.test_drafter import LAYER_IDS, VOCAB, rand_batch  # one random batch for both drafter suites
 from tests.tiny_models import tiny_llama
 
-VOCAB = 256
-LAYER_IDS = (1, 3)
 MASK_ID = 4
 CHUNKS = [1, 7, 64, DEFAULT_CHUNK_ROWS, 100_000]  # one row, not dividing the rows, default, more than all rows
 
@@ -35,17 +33,10 @@ def make(dtype: torch.dtype, chunk: int, seed: int = 0) -> tuple[torch.nn.Module
 
 
 def batch(target, lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = max(lengths)
-    ids = torch.randint(5, VOCAB, (len(lengths), s), generator=g)
-    am = torch.zeros(len(lengths), s, dtype=torch.long)
-    lm = torch.zeros(len(lengths), s, dtype=torch.bool)
-    for r, n in enumerate(lengths):
-        am[r, :n] = 1
-        lm[r, 3:n] = True
-        ids[r, n:] = 0
+    """test_drafter's random batch with a hole in the response."""
+    ids, am, lm, ctx = rand_batch(target, lengths, seed, resp_from=3)
     lm[0, 10:14] = False  # a hole in the response: those slots are not counted
-    return ids, am, lm, HiddenStateCapture(target, LAYER_IDS)(ids, am)
+    return ids, am, lm, ctx
 
 
 def grads(drafter: DFlashDrafter) -> list[torch.Tensor]:
