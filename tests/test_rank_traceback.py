@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 from dflash.pipeline.rank import RANKS_DIR, RunSpec, _report_failure, archive_tracebacks
@@ -63,6 +65,7 @@ def test_archived_tracebacks_are_never_overwritten(tmp_path: Path) -> None:
     assert (ranks / "rank-2.traceback").read_text() == "other rank 2"
 
 
+@pytest.mark.slow  # two real jobs (~40-90 s): keeps the default set under 10 minutes
 def test_a_failed_rank_leaves_its_traceback_and_a_resume_keeps_it(tmp_path: Path, run_inputs) -> None:  # noqa: F811
     cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=2, checkpoint_every=1)
     run = tmp_path / "run"
