@@ -31,6 +31,7 @@ class DrafterLoop:
         self.elapsed_s = 0.0  # training time, all sessions (the ranks agree on it every step)
         self.held_s = 0.0  # time spent holding between validation blocks (not training time)
         self.hold = _hold_watch(rr) if self.host else None
+        self.eval_skip_said = False  # train.eval_every on a placement it cannot run on: said once
 
     def run(self) -> None:
         rr, w, train = self.rr, self.worker, self.cfg.train
@@ -192,10 +193,10 @@ class DrafterLoop:
 
         rr, c = self.rr, self.cfg.train
         if next(rr.drafter.parameters()).device != next(rr.target.model.parameters()).device:
-            if not getattr(self, "_eval_skip_said", False):
+            if not self.eval_skip_said:
                 rr.progress("train.eval_every: skipped on this placement (the drafter rank holds the target on the "
                             "CPU); measure tau after training with dflash eval")
-                self._eval_skip_said = True
+                self.eval_skip_said = True
             return None
         taken = [i for r in read_records(rr.out, "take") for i in r["item_ids"]]
         used = {rr.data.conversations[k].id for k in rr.sampler.sequences_of(taken)}
