@@ -69,8 +69,11 @@ def load_lengths_and_prompts(workload: WorkloadConfig, model: str = "smollm2", s
 
 
 def make_sampler(workload: WorkloadConfig, model: str = "smollm2", seed: int = 0,
-                 block_size: int | None = None) -> Sampler:
+                 block_size: int | None = None, heldout_per_bucket: int = 0) -> Sampler:
     """The trainer's sampler on the cached lengths; with ``block_size`` (``cfg.drafter.block_size``) it
-    drops the anchor-less sequences the trainer drops, so simulated items are the trainer's items."""
+    drops the anchor-less sequences the trainer drops, and with ``heldout_per_bucket``
+    (:func:`dflash.core.sampler.heldout_per_bucket`) it holds out the sequences the trainer's quality
+    metric scores, so simulated items are the trainer's items."""
     lengths, prompts = load_lengths_and_prompts(workload, model, seed)
-    return Sampler(lengths, workload, seed=seed, prompt_lengths=prompts, block_size=block_size)
+    return Sampler(lengths, workload, seed=seed, prompt_lengths=prompts, block_size=block_size,
+                   heldout_per_bucket=heldout_per_bucket)

@@ -139,3 +139,21 @@ def test_the_drop_rule_agrees_with_the_drafters_anchor_rule_on_real_encodings() 
         assert bool(valid.any()) == has_anchor(n, min(p, n), max_len, block), conv.id
         verdicts.append(bool(valid.any()))
     assert any(verdicts) and not all(verdicts)  # both kinds occur at this max_len
+
+
+@pytest.mark.parametrize("per_bucket", [1, 16, 10_000])
+def test_held_out_sequences_are_chosen_per_bucket_by_seed_and_are_in_no_item(per_bucket: int) -> None:
+    """The quality metric's held-out set (issue #27): per bucket up to ``per_bucket`` sequences, never
+    more than half the bucket; in no item of any epoch; the same for one seed (every configuration of a
+    validation), another for another seed; the rest of each epoch still covers every other sequence once."""
+    s = Sampler(LENGTHS, wl(), seed=5, heldout_per_bucket=per_bucket)
+    sizes = [sum(1 for b in s.seq_bucket if b == k) for k in range(s.n_buckets)]
+    assert [len(h) for h in s.heldout] == [min(per_bucket, n // 2) for n in sizes]
+    held = {i for h in s.heldout for i in h}
+    assert all(s.seq_bucket[i] == k for k, h in enumerate(s.heldout) for i in h)
+    for e in (0, 1):
+        seqs = [i for it in s.epoch(e) for i in it.seq_indices]
+        assert sorted(seqs) == sorted(set(range(len(LENGTHS))) - held)
+    assert Sampler(LENGTHS, wl(), seed=5, heldout_per_bucket=per_bucket).heldout == s.heldout
+    assert Sampler(LENGTHS, wl(), seed=6, heldout_per_bucket=per_bucket).heldout != s.heldout
+    assert Sampler(LENGTHS, wl(), seed=5).heldout == ((),) * s.n_buckets

@@ -64,12 +64,13 @@ def epoch_run(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> dict:  # 
 @pytest.fixture(scope="module")
 def step_run(tmp_path_factory: pytest.TempPathFactory, run_inputs):  # noqa: F811
     """Twelve steps through the library call (the rank job, started from this process), with an
-    acceptance-length evaluation every 6 steps."""
+    acceptance-length evaluation every 6 steps and the held-out quality metric every 4."""
     from dflash.pipeline.trainer import train
 
     d = tmp_path_factory.mktemp("steps")
     cfg = load_config(write_cfg(d / "cfg.toml", run_inputs, max_steps=12, log_every=1000, eval_every=6,
-                                eval_prompts=2, eval_new_tokens=8))
+                                eval_prompts=2, eval_new_tokens=8, quality_every=4, quality_per_bucket=3,
+                                quality_anchors=8))
     return train(cfg, d / "run", wait_s=60.0, pg_timeout_s=60.0)
 
 
@@ -182,3 +183,32 @@ def test_eval_every_measures_tau_on_conversations_not_trained_into_the_step_reco
     evals = [(r["step"], r["eval"]) for r in read_records(step_run.out, "step") if r.get("eval")]
     assert [s for s, _ in evals] == [5, 11]
     assert all(1.0 <= e["tau"] <= 8.0 and e["prompts"] == 2 for _, e in evals)  # block size 8
+
+
+def test_quality_every_scores_a_held_out_set_no_item_trains_into_the_step_record(step_run) -> None:
+    """``[train] quality_every`` (issue #27): a fixed held-out set, chosen per bucket by seed, scored by
+    the drafter every N steps; the sequences are in no item, and the record carries loss and acceptance
+    with their intervals, overall and per bucket."""
+    from dflash.core.run_config import load_run_config
+    from dflash.core.sampler import sampler_for
+
+    run = step_run.out
+    held = json.loads((run / "heldout.json").read_text())
+    cfg = load_run_config(run)
+    assert held["ids"] and held["quality_per_bucket"] == 3 and held["anchors"] == 8
+    data = TrainingData(cfg, load_tokenizer(str(cfg.target.model)))
+    assert [list(b) for b in data.sampler.heldout] == held["per_bucket"]  # the seed's set, formed again
+    trained = data.sampler.sequences_of(i for r in read_records(run, "take") for i in r["item_ids"])
+    in_epochs = {k for e in range(3) for it in data.sampler.epoch(e) for k in it.seq_indices}
+    assert not trained & {i for b in held["per_bucket"] for i in b}
+    assert not in_epochs & {i for b in held["per_bucket"] for i in b}
+    assert sampler_for(cfg, data.sampler.lengths, data.sampler.prompt_lengths).heldout == data.sampler.heldout
+    scored = [(r["step"], r["heldout"]) for r in read_records(run, "step") if r.get("heldout")]
+    assert [s for s, _ in scored] == [3, 7, 11]
+    for _, h in scored:
+        assert h["sequences"] == len(held["ids"]) and h["blocks"] > 0 and h["block_size"] == 8
+        assert 1.0 <= h["acceptance"] <= 8.0 and h["acceptance_ci"][0] <= h["acceptance"] <= h["acceptance_ci"][1]
+        assert h["loss"] > 0 and h["loss_ci"][0] <= h["loss"] <= h["loss_ci"][1]
+        assert len(h["per_bucket"]) == 3
+        assert sum(b["blocks"] for b in h["per_bucket"]) == h["blocks"]
+    assert scored[-1][1]["loss"] < scored[0][1]["loss"]  # lr 3e-3 for 8 steps: the held-out loss falls

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash.core.config import DflashConfig, QueueConfig, with_overrides
-from dflash.core.sampler import Sampler
+from dflash.core.sampler import Sampler, heldout_per_bucket
 from simulator.run import simulate
 from simulator.workload import load_lengths_and_prompts
 from tuning.space import Split
@@ -61,7 +61,8 @@ class Evaluator:
     def sampler(self, seed: int) -> Sampler:
         if seed not in self._samplers:
             self._samplers[seed] = Sampler(self._lengths, self.cfg.workload, seed=seed,
-                                           prompt_lengths=self._prompts, block_size=self.cfg.drafter.block_size)
+                                           prompt_lengths=self._prompts, block_size=self.cfg.drafter.block_size,
+                                           heldout_per_bucket=heldout_per_bucket(self.cfg))
         return self._samplers[seed]
 
     def evaluate(self, queue: QueueConfig, split: Split | None = None) -> Evaluation:

@@ -320,10 +320,20 @@ class TrainConfig:
     eval_every: int | None = None  # acceptance length on held-out prompts every N steps (None: off)
     eval_prompts: int = 4
     eval_new_tokens: int = 48
+    # The held-out quality metric (dflash.model.heldout): every N steps the drafter scores a fixed set of
+    # sequences (quality_per_bucket per length bucket, chosen by seed and never trained on) at
+    # quality_anchors fixed blocks each. None: off, and no sequence is held out.
+    quality_every: int | None = None
+    quality_per_bucket: int = 16
+    quality_anchors: int = 32
 
     def __post_init__(self) -> None:
         if self.eval_every is not None:
             check_int("train.eval_every", self.eval_every, 1)
+        if self.quality_every is not None:
+            check_int("train.quality_every", self.quality_every, 1)
+        check_int("train.quality_per_bucket", self.quality_per_bucket, 1)
+        check_int("train.quality_anchors", self.quality_anchors, 1)
         check_int("train.eval_prompts", self.eval_prompts, 1)
         check_int("train.eval_new_tokens", self.eval_new_tokens, 1)
         if self.epochs is not None:

@@ -74,7 +74,8 @@ class Sampler:
     """
 
     def __init__(self, lengths: Sequence[int], workload: WorkloadConfig, seed: int = 0,
-                 prompt_lengths: Sequence[int] | None = None, block_size: int | None = None) -> None:
+                 prompt_lengths: Sequence[int] | None = None, block_size: int | None = None,
+                 heldout_per_bucket: int = 0) -> None:
         if not lengths:
             raise ValueError("the sampler needs at least one sequence length")
         if any(int(n) < 1 for n in lengths):
@@ -97,11 +98,26 @@ class Sampler:
                                   f"with room for a block of {block_size} tokens within max_len): a larger max_len "
                                   f"or other data is needed", workload.max_len)
         self.dropped_no_anchor = keep.count(False)
-        self._by_bucket = [[i for i, b in enumerate(self.seq_bucket) if b == bk and keep[i]]
-                           for bk in range(self.n_buckets)]
+        eligible = [[i for i, b in enumerate(self.seq_bucket) if b == bk and keep[i]] for bk in range(self.n_buckets)]
+        self.heldout = self._hold_out(eligible, heldout_per_bucket)
+        held = {i for per in self.heldout for i in per}
+        self._by_bucket = [[i for i in per if i not in held] for per in eligible]
         # Epochs are formed once and kept: a sweep runs many simulations over one sampler.
         self._epoch = lru_cache(maxsize=EPOCH_CACHE)(self._form_epoch)
         self._by_id = lru_cache(maxsize=EPOCH_CACHE)(lambda e: {it.item_id: it for it in self._epoch(e)})
+
+    def _hold_out(self, eligible: list[list[int]], per_bucket: int) -> tuple[tuple[int, ...], ...]:
+        """Per bucket, up to ``per_bucket`` sequences (never more than half the bucket, so training keeps
+        most of it) drawn with a generator of the seed alone: every configuration of one validation
+        (one seed) holds out the same sequences, and a held-out sequence is in no item of any epoch."""
+        if per_bucket <= 0:
+            return tuple(() for _ in eligible)
+        rng = random.Random(self.seed * 1_000_003 + 424_242)
+        out = []
+        for seqs in eligible:
+            n = min(per_bucket, len(seqs) // 2)
+            out.append(tuple(sorted(rng.sample(seqs, n))) if n else ())
+        return tuple(out)
 
     # ---------------------------------------------------------------- formation
     def _rng(self, epoch: int, salt: int) -> random.Random:
@@ -205,6 +221,13 @@ class Sampler:
 def sampler_for(cfg: DflashConfig, lengths: Sequence[int], prompt_lengths: Sequence[int] | None) -> Sampler:
     """The run's sampler: the one home for how a run forms its items, so that the trainer, the
     simulator and every reader of a run's item ids (held-out evaluation) form the same items from the
-    same lengths, dropping the same anchor-less sequences (``cfg.drafter.block_size``)."""
+    same lengths, dropping the same anchor-less sequences (``cfg.drafter.block_size``) and holding out
+    the same sequences for the quality metric (``[train] quality_every``)."""
     return Sampler(lengths, cfg.workload, seed=cfg.seed, prompt_lengths=prompt_lengths or None,
-                   block_size=cfg.drafter.block_size)
+                   block_size=cfg.drafter.block_size, heldout_per_bucket=heldout_per_bucket(cfg))
+
+
+def heldout_per_bucket(cfg: DflashConfig) -> int:
+    """Sequences held out per bucket for the quality metric: ``[train] quality_per_bucket`` when
+    ``quality_every`` is set, else none."""
+    return cfg.train.quality_per_bucket if cfg.train.quality_every is not None else 0

@@ -32,6 +32,11 @@ class DrafterLoop:
         self.held_s = 0.0  # time spent holding between validation blocks (not training time)
         self.hold = _hold_watch(rr) if self.host else None
         self.eval_skip_said = False  # train.eval_every on a placement it cannot run on: said once
+        self.quality = None  # train.quality_every: the held-out metric (dflash.pipeline.quality), host rank
+        if self.host and self.cfg.train.quality_every is not None:
+            from dflash.pipeline.quality import QualityScorer
+
+            self.quality = QualityScorer(rr, rr.spec.wait_s)
 
     def run(self) -> None:
         rr, w, train = self.rr, self.worker, self.cfg.train
@@ -69,6 +74,8 @@ class DrafterLoop:
                 skipped = info.pop("skipped")  # no anchor in any take: not a step (the same number again)
                 if self.host and not skipped and train.eval_every and (step + 1) % train.eval_every == 0:
                     info["eval"] = self.evaluate(step, wb)  # into this step's record
+                if self.quality is not None and not skipped and self.quality.due(step):
+                    info["heldout"] = self.quality.score(step, wb)
                 rr.channel.send({"op": "done", "step": step, "pid": os.getpid(), "takes": res.takes,
                                  "stages": res.stages, "step_info": info if self.host else None,
                                  "gpu": rr.gpu_samples(), "skipped": skipped})

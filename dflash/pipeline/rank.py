@@ -303,6 +303,9 @@ class RankRun:
 
     # ------------------------------------------------------------------ target
     def _run_producer(self) -> None:
+        from dflash.pipeline.quality import prepare_on_target
+
+        prepare_on_target(self)  # train.quality_every: the held-out set's states, once, before producing
         transport = make_transport(self.plane, self.device)
         clock = StageClock(self.device)
 

@@ -16,13 +16,15 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     """One simulated run: the trainer's queue and sampler code on SimPy's clock."""
     import json
 
+    from dflash.core.sampler import heldout_per_bucket
     from simulator.calibration import apply_calibration
     from simulator.run import simulate
     from simulator.workload import make_sampler
 
     cfg = apply_calibration(cfg, args.calibration)
     sim_seconds = float(args.sim_seconds) if args.sim_seconds is not None else 3600.0
-    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size)
+    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size,
+                           heldout_per_bucket(cfg))
     bar = Progress(sim_seconds)
     result = simulate(cfg, sampler, sim_seconds=sim_seconds, records_dir=args.records, progress=bar)
     bar.close()
