@@ -102,3 +102,59 @@ def test_nvidia_smi_samples_are_parsed_per_gpu_and_per_process_and_summarised():
     assert nv["utilisation_pct_mean"] == pytest.approx((14 + 71 + 40) / 3) and nv["utilisation_pct_max"] == 71
     assert nv["power_w_mean"] == pytest.approx((174.32 + 180.0) / 2)  # N/A left out, not counted as 0
     assert nv["per_gpu"]["0"]["memory_used_mib_max"] == 26100 and "reason" not in nv
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--cpu", "--learning", "--regenerate-prompts", "0"], "--regenerate-prompts"),
+    (["--cpu", "--learning", "--minutes", "-1"], "--minutes"),
+    (["--cpu", "--learning", "--eval-prompts", "1"], "--eval-prompts"),
+])
+def test_learning_flags_are_checked_like_the_others(argv, flag, capsys, tmp_path):
+    out = tmp_path / "never.json"
+    assert load_script().main([*argv, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and flag in err and not out.exists()
+
+
+def test_learning_defaults_fit_five_minutes_at_twenty_prompts_per_second():
+    gc = load_script()
+    plan = gc.parse_args(["--cpu", "--learning"])
+    assert plan.learning and plan.regenerate_prompts == gc.LEARNING_PROMPTS and plan.minutes == 1.5
+    regenerate_s = (plan.regenerate_prompts + 2 * 32) / 20  # the GPU's eval prompts are regenerated too
+    assert regenerate_s + plan.minutes * 60 <= 200  # leaves >= 100 s of the 5 minutes for loads and eval
+    assert gc.parse_args(["--cpu"]).regenerate_prompts == 256 and not gc.parse_args(["--cpu"]).learning
+
+
+def test_the_learning_config_is_the_learning_profile_on_the_regenerated_prefix(tmp_path):
+    """On a GPU: the profile's drafter shape with the held-out metric, trained on the first N conversations."""
+    from dflash.core.config import load_config
+
+    gc = load_script()
+    plan = gc.Plan(target="smollm2", data=None, cpu=False, minutes=1.5, gpus=1, json_out=None, keep=False,
+                   regenerate_prompts=1600, eval_prompts=32, learning=True)
+    path = gc.learning_config(tmp_path / "l.toml", plan, gc.shape_for(plan), model="smollm2",
+                              data=str(tmp_path / "regenerated.jsonl"), n_train=1600)
+    cfg, profile = load_config(path), load_config(gc.LEARNING_PROFILE)
+    assert cfg.drafter == profile.drafter and cfg.target.capture_layers == profile.target.capture_layers
+    assert cfg.train.quality_every and cfg.train.quality_per_bucket == profile.train.quality_per_bucket
+    assert cfg.workload.max_conversations == 1600 and cfg.workload.dataset.endswith("regenerated.jsonl")
+    assert cfg.train.epochs is None and cfg.train.eval_prompts == 32  # time-boxed by --minutes
+
+
+@pytest.mark.slow
+def test_the_cpu_learning_check_regenerates_trains_with_the_heldout_metric_and_evals(tmp_path):
+    """The --learning loop on the CPU with a tiny random Llama: its greedy replies are the data."""
+    out = tmp_path / "learning.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--arch", "tiny", "--learning",
+                           "--regenerate-prompts", "24", "--minutes", "0.3", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(load_script().LEARNING_KEYS) <= set(res) and res["mode"] == "learning" and not res["failed_steps"]
+    assert res["regenerated_data"]["prompts"] == 24 + 2 * 6 and res["regenerated_data"]["prompts_per_s"] > 0
+    h = res["heldout"]
+    assert h["acceptance"] >= 1.0 and h["acceptance_ci"][0] <= h["acceptance"] <= h["acceptance_ci"][1]
+    assert h["per_bucket"] and res["heldout_curve"][-1]["acceptance"] == h["acceptance"]
+    assert res["tau"] >= 1.0 and res["tau_ci95"][0] <= res["tau"] <= res["tau_ci95"][1]
+    assert all(res["wall_s_by_step"][k] > 0 for k in ("regenerate", "train", "eval"))
+    assert res["train"]["steps"] >= 5 and res["train"]["epochs"] > 0
