@@ -208,6 +208,7 @@ def test_quality_every_scores_a_held_out_set_no_item_trains_into_the_step_record
     for _, h in scored:
         assert h["sequences"] == len(held["ids"]) and h["blocks"] > 0 and h["block_size"] == 8
         assert 1.0 <= h["acceptance"] <= 8.0 and h["acceptance_ci"][0] <= h["acceptance"] <= h["acceptance_ci"][1]
+        assert 1.0 <= h["tau"] <= 8.0 and h["tau_ci"][0] <= h["tau"] <= h["tau_ci"][1]
         assert h["loss"] > 0 and h["loss_ci"][0] <= h["loss"] <= h["loss_ci"][1]
         assert len(h["per_bucket"]) == 3
         assert sum(b["blocks"] for b in h["per_bucket"]) == h["blocks"]

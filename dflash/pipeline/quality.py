@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,18 @@ def prepare_on_target(rr: Any) -> None:
         return
     rr.status("computing the held-out set's target states")
     t0 = time.perf_counter()
-    states = prepare_heldout(rr.target, rr.capture, rr.data, rr.sampler.heldout, rr.device, rr.state_dtype)
+    states = prepare_heldout(rr.target.model, rr.capture, heldout_sequences(rr.data, rr.sampler.heldout),
+                             len(rr.sampler.heldout), rr.device, rr.state_dtype)
     save_heldout(path, states, fp)
     rr.status(f"held-out states: {len(states.sequences)} sequences in {time.perf_counter() - t0:.1f} s")
+
+
+def heldout_sequences(data: Any, per_bucket: Any) -> Iterator[tuple[int, str, int, torch.Tensor, torch.Tensor]]:
+    """The held-out sequences of the run's data as the target encodes them for training."""
+    for bucket, indices in enumerate(per_bucket):
+        for index in indices:
+            ids, lm = data.encode(index)
+            yield index, str(data.conversations[index].id), bucket, ids, lm
 
 
 class QualityScorer:
@@ -90,10 +100,10 @@ class QualityScorer:
         t0 = time.perf_counter()
         with torch.autocast(rr.device.type, dtype=torch.bfloat16, enabled=rr.autocast):
             res = score_heldout(rr.drafter, self._states(), anchors=rr.cfg.train.quality_anchors, seed=rr.cfg.seed,
-                                device=rr.device)
+                                device=rr.device)  # seed: the intervals' bootstrap
         res["score_s"] = time.perf_counter() - t0
         if wb is not None:
-            wb.log({"heldout/loss": res["loss"], "heldout/acceptance": res["acceptance"],
+            wb.log({"heldout/loss": res["loss"], "heldout/acceptance": res["acceptance"], "heldout/tau": res["tau"],
                     **{f"heldout/acceptance/bucket_{b['bucket']}": b["acceptance"] for b in res["per_bucket"]
                        if b["acceptance"] is not None}}, step=step)
         rr.progress(f"held-out after step {step + 1}: {quality_line(res)}")
@@ -109,5 +119,6 @@ def quality_line(h: dict[str, Any]) -> str:
     if h.get("acceptance") is None:
         return "no held-out block"
     per = " ".join(f"{b['acceptance']:.3f}" if b["acceptance"] is not None else "n/a" for b in h["per_bucket"])
-    return (f"acceptance {h['acceptance']:.3f} {_ci(h.get('acceptance_ci'))}  loss {h['loss']:.4f} "
+    return (f"tau {h['tau']:.3f} {_ci(h.get('tau_ci'))}  acceptance {h['acceptance']:.3f} "
+            f"{_ci(h.get('acceptance_ci'))}  loss {h['loss']:.4f} "
             f"{_ci(h.get('loss_ci'))}  per bucket [{per}]  ({h['sequences']} sequences, {h['blocks']} blocks)")
