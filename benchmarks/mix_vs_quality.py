@@ -56,13 +56,13 @@ class Profile:
     overrides: tuple[tuple[str, Any], ...] = ()
 
 
-# CPU: the learning profile (SmolLM2, first exchanges <= 512 tokens, 1 item = 1 sequence: ~1.5 s of target
-# forward per item on 2 quiet cores, 2-3 s while other jobs share them). Per run: ~0.5 min of start-up, the
-# held-out states (60 sequences, one target forward each, ~1 min), 2 scores (~0.5-1 min each: 60 x 32 blocks
-# through the drafter and the LM head), the min-ready fill, and 200 steps (~5-8 min). 4 runs ~= 35-55 minutes;
-# --minutes 60 bounds it whatever the load.
+# CPU: the learning profile (SmolLM2, first exchanges <= 512 tokens, 1 item = 1 sequence). Measured
+# (2026-12-05, 2 cores shared with other jobs): 200 steps took 23 minutes for all four runs with the sweep,
+# 245-426 s per run, of which ~1.5 min is start-up, the held-out states (60 sequences, one target forward
+# each) and the 2 scores. 400 steps: ~35-50 minutes; --minutes 60 bounds it whatever the load (a run the
+# cap cuts is compared at the last step every run scored, the midpoint).
 PROFILES: dict[str, Profile] = {
-    "cpu": Profile(config=ROOT / "examples" / "cpu-smollm2-learning.toml", steps=200, quality_points=2,
+    "cpu": Profile(config=ROOT / "examples" / "cpu-smollm2-learning.toml", steps=400, quality_points=2,
                    quality_per_bucket=12, minutes=60.0, trials=8,
                    overrides=(("train.checkpoint_every", 10**6), ("train.log_every", 20))),
     "gpu": Profile(config=ROOT / "examples" / "gpu-smollm2-learning.toml", steps=1200, quality_points=6,
@@ -287,7 +287,8 @@ def bucket_text(r: dict[str, Any]) -> str:
     per = ", ".join(f"b{b['bucket']} {b['acceptance']:.3f} {_ci(b['acceptance_ci'], '.3f')}"
                     if b["acceptance"] is not None else f"b{b['bucket']} n/a" for b in r["per_bucket"])
     rough = "n/a" if r["loss_roughness"] is None else f"{r['loss_roughness']:.4f}"
-    return f"acceptance per bucket {per}; loss_roughness {rough}"
+    mix = "n/a" if r.get("mix_efficiency") is None else f"{r['mix_efficiency']:.3f}"
+    return f"acceptance per bucket {per}; loss_roughness {rough}; mix_efficiency {mix}"
 
 
 def record(line: str, verdict: str, rows: list[dict[str, Any]], profile: str, path: Path = RESULTS) -> None:
