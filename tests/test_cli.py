@@ -100,6 +100,7 @@ VERB_CASES = {
         (["--max-steps", "0"], ["train.max_steps", "--max-steps"]),
         (["--max-minutes", "0"], ["train.max_minutes", "--max-minutes"]),
         (["--max-minutes", "soon"], ["train.max_minutes", "--max-minutes"]),
+        (["--quality-every", "0"], ["train.quality_every", "--quality-every"]),
         (["--target-devices", "gpu0"], ["--target-devices", "retired"]),
         (["--drafter-devices", "cuda:0,"], ["--drafter-devices", "retired"]),
         (["--target", ""], ["target.model", "--target"]),

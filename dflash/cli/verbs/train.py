@@ -209,6 +209,8 @@ VERB = Verb("real training run, one process per device", base_config=_base_confi
         Opt("--max-steps", "int", "stop after this many steps (>= 1)", key="train.max_steps", metavar="N"),
         Opt("--max-minutes", "float", "stop after this many minutes (> 0)", key="train.max_minutes",
             metavar="M"),
+        Opt("--quality-every", "int", "score the drafter on a held-out set every N steps (>= 1; the step "
+            "records' heldout: loss, acceptance and tau with intervals)", key="train.quality_every", metavar="N"),
         Opt("--out", "outdir", "run directory", metavar="DIR"),
         Opt("--resume", "indir", "resume the run in this directory", metavar="DIR"),
         Opt("--wandb", "choice", "W&B mode", choices=WANDB_MODES, default="offline",
