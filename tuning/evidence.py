@@ -13,6 +13,16 @@ The recommendation follows the evidence: the candidates are the configurations n
 worse than the measured best on either objective, and among them the one with the lowest peak
 queue memory wins. A costlier configuration is never preferred on unresolved evidence.
 
+The held-out quality metric (``[train] quality_every``) enters as two more objectives, held-out tau
+(higher is better) and held-out loss (lower is better), read at the last step every configuration
+scored (:mod:`tuning.quality`). They are not block means but one estimate per configuration with a
+95% bootstrap interval over the held-out sequences; the interval of a difference is the normal one
+from the two (:func:`compare_estimates`: every configuration scores the *same* sequences, so treating
+the two as independent only widens it). They are read once, after the last round, so they take no
+share of the per-look level, and they do not stop a validation early. A difference is resolved by
+the one rule of :func:`resolved` whatever the objective, and the recommendation names the objectives
+that decided (:attr:`Recommendation.decided_by`).
+
 Pure: no torch, no trainer; :mod:`tuning.validate` feeds it block measurements.
 """
 
@@ -25,6 +35,10 @@ from dataclasses import dataclass
 from scipy import stats
 
 OBJECTIVES = ("throughput_tokens_per_s", "mix_efficiency")  # both maximised
+HELDOUT_OBJECTIVES = ("heldout_tau", "heldout_loss")
+SENSE = {"throughput_tokens_per_s": 1, "mix_efficiency": 1, "heldout_tau": 1, "heldout_loss": -1}  # +1: higher wins
+LABELS = {"throughput_tokens_per_s": "throughput", "mix_efficiency": "mix_efficiency",
+          "heldout_tau": "held-out tau", "heldout_loss": "held-out loss"}
 REFERENCES = ("handpicked", "baseline")
 
 
@@ -43,6 +57,33 @@ class Comparison:
         return {"config": self.config, "against": self.against, "objective": self.objective,
                 "difference": self.difference, "ci95": list(self.ci95), "resolved": self.resolved,
                 "se": self.se, "blocks": list(self.blocks)}
+
+
+def resolved(lo: float, hi: float) -> bool:
+    """The one resolve rule of every comparison: 0 lies outside the interval of the difference."""
+    return not lo <= 0.0 <= hi
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One configuration's held-out figure at the compared step: the value and its 95% interval."""
+
+    value: float
+    ci95: tuple[float, float]
+    n: int  # held-out sequences behind it
+
+
+def compare_estimates(config: str, against: str, objective: str, a: Estimate, b: Estimate, *,
+                      level: float = 0.95) -> Comparison:
+    """``a - b`` with a normal interval: each side's standard error from its 95% interval's half-width."""
+    z95 = float(stats.norm.ppf(0.975))
+    se = math.hypot((a.ci95[1] - a.ci95[0]) / (2 * z95), (b.ci95[1] - b.ci95[0]) / (2 * z95))
+    d = a.value - b.value
+    h = float(stats.norm.ppf(1 - (1 - level) / 2)) * se
+    return Comparison(config, against, objective, d, (d - h, d + h), resolved(d - h, d + h), se, (a.n, b.n))
+
+
+HeldoutEstimates = Mapping[str, Mapping[str, Estimate]]  # config -> held-out objective -> estimate
 
 
 def per_look_level(level: float, max_looks: int) -> float:
@@ -72,7 +113,7 @@ def difference_interval(a: Sequence[float], b: Sequence[float], *, level: float
 def compare(config: str, against: str, objective: str, a: Sequence[float], b: Sequence[float], *,
             max_looks: int, level: float = 0.95) -> Comparison:
     d, (lo, hi), se, _ = difference_interval(a, b, level=per_look_level(level, max_looks))
-    return Comparison(config, against, objective, d, (lo, hi), not lo <= 0.0 <= hi, se, (len(a), len(b)))
+    return Comparison(config, against, objective, d, (lo, hi), resolved(lo, hi), se, (len(a), len(b)))
 
 
 BlockMeans = Mapping[str, Mapping[str, Sequence[float]]]  # config -> objective -> per-block values
@@ -83,6 +124,18 @@ def chosen_comparisons(blocks: BlockMeans, chosen: str, *, max_looks: int,
     """The chosen configuration against each reference that was measured, on each objective."""
     return [compare(chosen, ref, obj, blocks[chosen][obj], blocks[ref][obj], max_looks=max_looks)
             for ref in REFERENCES if ref in blocks and ref != chosen for obj in objectives]
+
+
+def heldout_comparisons(heldout: HeldoutEstimates, chosen: str) -> list[Comparison]:
+    """The chosen configuration against each reference on each held-out objective every one of them has."""
+    objs = heldout_objectives(heldout)
+    return [compare_estimates(chosen, ref, obj, heldout[chosen][obj], heldout[ref][obj])
+            for ref in REFERENCES if ref in heldout and ref != chosen and chosen in heldout for obj in objs]
+
+
+def heldout_objectives(heldout: HeldoutEstimates) -> tuple[str, ...]:
+    """The held-out objectives every configuration has an estimate of (empty: the metric is off)."""
+    return tuple(k for k in HELDOUT_OBJECTIVES if heldout and all(k in h for h in heldout.values()))
 
 
 def measured_objectives(blocks: BlockMeans) -> tuple[str, ...]:
@@ -108,34 +161,58 @@ class Recommendation:
     against_best: tuple[Comparison, ...]  # every other config against the measured best, per objective
     words: str
     takes_to_resolve: int | None = None  # more takes per config that would resolve the open differences
+    objectives: tuple[str, ...] = OBJECTIVES  # every objective compared, held-out ones included
+    decided_by: tuple[str, ...] = ()  # objectives on which a configuration was resolved worse (empty: memory alone)
 
     def as_json(self) -> dict[str, object]:
         return {"name": self.name, "candidates": list(self.candidates), "words": self.words,
-                "against_best": [c.as_json() for c in self.against_best], "takes_to_resolve": self.takes_to_resolve}
+                "against_best": [c.as_json() for c in self.against_best], "takes_to_resolve": self.takes_to_resolve,
+                "objectives": list(self.objectives), "decided_by": list(self.decided_by)}
 
 
 def recommend(blocks: BlockMeans, peak_bytes: Mapping[str, float], *, max_looks: int,
-              block_takes: int, objectives: Sequence[str] = OBJECTIVES) -> Recommendation:
-    """Candidates = not resolved worse than the measured best on either objective; the cheapest in
-    peak queue memory wins (ties: the higher mean throughput, then the name)."""
+              block_takes: int, objectives: Sequence[str] = OBJECTIVES,
+              heldout: HeldoutEstimates | None = None) -> Recommendation:
+    """Candidates = not resolved worse than the measured best on any objective (the block objectives,
+    and the held-out ones every configuration has in ``heldout``); the cheapest in peak queue memory
+    wins (ties: the higher mean throughput, then the name)."""
     names = sorted(blocks)
+    held = {n: heldout[n] for n in names if heldout and n in heldout}
+    held_objs = heldout_objectives(held) if len(held) == len(names) else ()
     against_best: list[Comparison] = []
-    worse: set[str] = set()
-    for obj in objectives:
-        best = max(names, key=lambda n: (_mean(blocks[n][obj]), n))
-        for n in names:
-            if n == best:
-                continue
-            c = compare(n, best, obj, blocks[n][obj], blocks[best][obj], max_looks=max_looks)
+    worse: dict[str, set[str]] = {}
+    for obj in (*objectives, *held_objs):
+        sense = SENSE[obj]
+        if obj in held_objs:
+            best = max(names, key=lambda n: (sense * held[n][obj].value, n))
+            comps = [compare_estimates(n, best, obj, held[n][obj], held[best][obj]) for n in names if n != best]
+        else:
+            best = max(names, key=lambda n: (sense * _mean(blocks[n][obj]), n))
+            comps = [compare(n, best, obj, blocks[n][obj], blocks[best][obj], max_looks=max_looks)
+                     for n in names if n != best]
+        for c in comps:
             against_best.append(c)
-            if c.resolved and c.difference < 0:
-                worse.add(n)
+            if c.resolved and sense * c.difference < 0:
+                worse.setdefault(c.config, set()).add(obj)
     candidates = tuple(n for n in names if n not in worse)
     pick = min(candidates, key=lambda n: (peak_bytes.get(n, math.inf),
                                           -_mean(blocks[n]["throughput_tokens_per_s"]), n))
-    more = open_takes_to_resolve(open_differences(against_best, candidates), block_takes)
-    return Recommendation(pick, candidates, tuple(against_best),
-                          _words(pick, candidates, peak_bytes, objectives, more), more)
+    # "about N more takes" is a block figure: held-out differences do not shrink with more blocks alike
+    more = open_takes_to_resolve([c for c in open_differences(against_best, candidates) if c.objective in objectives],
+                                 block_takes)
+    compared = (*objectives, *held_objs)
+    decided = tuple(o for o in compared if any(o in objs for objs in worse.values()))
+    words = _words(pick, candidates, peak_bytes, objectives, more, held_objs) + " " + _decided_words(worse, decided)
+    return Recommendation(pick, candidates, tuple(against_best), words, more, compared, decided)
+
+
+def _decided_words(worse: Mapping[str, set[str]], decided: Sequence[str]) -> str:
+    """Which objective decided: those on which a configuration was resolved worse than the best."""
+    if not decided:
+        return "Decided by peak queue memory alone: no objective resolved a configuration worse than the best."
+    parts = [f"{LABELS[o]} ({', '.join(sorted(n for n, objs in worse.items() if o in objs))} resolved worse)"
+             for o in decided]
+    return f"Decided by {'; '.join(parts)}, then peak queue memory among the rest."
 
 
 def open_differences(against_best: Sequence[Comparison], candidates: Sequence[str]) -> list[Comparison]:
@@ -166,10 +243,14 @@ def takes_to_resolve(c: Comparison, block_takes: int) -> int | None:
 
 
 def _words(pick: str, candidates: Sequence[str], peak_bytes: Mapping[str, float], objectives: Sequence[str],
-           more: int | None) -> str:
+           more: int | None, held_objs: Sequence[str] = ()) -> str:
     others = [n for n in candidates if n != pick]
     on = "on either objective" if len(objectives) > 1 else \
         "on throughput (the blocks were too short to measure a mix efficiency)"
+    if held_objs:
+        on = f"on any of {', '.join(LABELS[o] for o in (*objectives, *held_objs))}" if len(objectives) > 1 else \
+            f"on any of throughput, {', '.join(LABELS[o] for o in held_objs)} (the blocks were too short to " \
+            f"measure a mix efficiency)"
     text = f"{pick}: the lowest peak queue memory ({peak_bytes.get(pick, math.nan) / 2**30:.2f} GiB) among the " \
            f"configurations not resolved worse than the measured best {on}"
     if others:

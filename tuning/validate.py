@@ -41,9 +41,11 @@ from tuning.evidence import (
     OBJECTIVES,
     REFERENCES,
     Comparison,
+    HeldoutEstimates,
     Recommendation,
     all_resolved,
     chosen_comparisons,
+    heldout_comparisons,
     measured_objectives,
     recommend,
 )
@@ -510,19 +512,23 @@ def choose_tuned(blocks: dict[str, dict[str, list[float]]], objectives: Sequence
     return min(zip(scores, tuned))[1]
 
 
-def _evidence(blocks: dict[str, dict[str, list[float]]], looks: int, block_takes: int
-              ) -> tuple[str | None, list[Comparison], Recommendation | None]:
+def _evidence(blocks: dict[str, dict[str, list[float]]], looks: int, block_takes: int,
+              heldout: HeldoutEstimates | None = None) -> tuple[str | None, list[Comparison], Recommendation | None]:
     """(the tuned config under test, its comparisons, the recommendation) on the objectives every
-    measured configuration has (:func:`tuning.evidence.measured_objectives`); configurations
+    measured configuration has (:func:`tuning.evidence.measured_objectives`), plus the held-out
+    objectives when ``heldout`` has them (after the last round: :mod:`tuning.quality`); configurations
     without a throughput block are left out."""
     measured = {n: b for n, b in blocks.items() if b["throughput_tokens_per_s"]}
     objectives = measured_objectives(measured)
     if not objectives:
         return None, [], None
+    held = {n: h for n, h in (heldout or {}).items() if n in measured}
     chosen = choose_tuned(measured, objectives)
     comps = chosen_comparisons(measured, chosen, max_looks=looks, objectives=objectives) if chosen else []
+    comps += heldout_comparisons(held, chosen) if chosen and len(held) == len(measured) else []
     peak = {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in measured.items()}
-    return chosen, comps, recommend(measured, peak, max_looks=looks, block_takes=block_takes, objectives=objectives)
+    return chosen, comps, recommend(measured, peak, max_looks=looks, block_takes=block_takes, objectives=objectives,
+                                    heldout=held)
 
 
 def stop_reason(rows: list[dict[str, Any]], comps: list[Comparison]) -> str:
@@ -623,9 +629,14 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
     failed = [next(r["result"] for r in rows if r["status"] == "failed" and r["result"]["name"] == n)
               for n in failed_names]
     blocks = block_table([r for r in done if r["name"] not in failed_names])
-    chosen, comps, rec = _evidence(blocks, looks, args.block_takes)
     entries = {c["name"]: c for c in args.selection["configs"]}
     _wait_for_held_ends([args.out / "runs" / n for n in entries if n in blocks])
+    from tuning.quality import heldout_evidence
+
+    held = heldout_evidence({n: args.out / "runs" / n for n in entries if n in blocks})
+    chosen, comps, rec = _evidence(blocks, looks, args.block_takes, held.pop("estimates"))
+    if held["note"]:
+        progress(held["note"])
     target = load_target(base.target.model) if blocks else None
     configs = [config_row(entries[n], [r for r in done if r["name"] == n], base, calibrated, args, target)
                for n in entries if n in blocks]
@@ -641,7 +652,8 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
     payload = clean_json({
         "takes": args.takes, "block_takes": args.block_takes, "max_looks": looks,
         "rounds": max((r["block"] + 1 for r in done), default=0),
-        "stopped": stop_reason(rows, comps), "objectives": list(measured_objectives(blocks)),
+        "stopped": stop_reason(rows, comps),
+        "objectives": list(rec.objectives) if rec else list(measured_objectives(blocks)), "heldout": held,
         "calibration": args.calibration, "selection": args.selection_path,
         "base_config": base.to_dict(), "chosen": rec.name if rec else None, "tested": chosen,
         "comparisons": [c.as_json() for c in comps],
@@ -682,6 +694,7 @@ def format_validation(payload: dict[str, Any]) -> str:
             f"{pct(e['loss_roughness']):>8}{num(m.get('tau'), '.3f'):>7}")
     for f in payload.get("failed", []):
         lines.append(f"{f['name']}: FAILED ({f.get('error')})")
+    lines += heldout_lines(payload.get("heldout"))
     for c in payload.get("comparisons", []):
         lo, hi = (num(x, "+.4g") for x in c["ci95"])
         lines.append(f"{c['config']} vs {c['against']} on {c['objective']}: {num(c['difference'], '+.4g')} "
@@ -696,6 +709,21 @@ def format_validation(payload: dict[str, Any]) -> str:
     if rec:
         lines.append(f"recommended: {rec['words']}\nlaunch the full run with:\n  {payload['command']}")
     return "\n".join(lines)
+
+
+def heldout_lines(held: dict[str, Any] | None) -> list[str]:
+    """The held-out objective: the off note once, or each configuration's figures at the compared step."""
+    from dflash.pipeline.quality import quality_line
+
+    if not held:
+        return []
+    if not held.get("on"):
+        return [held["note"]]
+    lines = [f"held-out ({held.get('sequences')} sequences, the same set in every configuration: "
+             f"{'yes' if held.get('same_set') else 'NO'}) after step {held['step'] + 1}:"
+             if held.get("step") is not None else "held-out:"]
+    lines += [f"  {n}: {quality_line(h)}" for n, h in held.get("configs", {}).items()]
+    return lines + ([held["note"]] if held.get("note") else [])
 
 
 def progress_printer(msg: str) -> None:

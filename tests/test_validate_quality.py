@@ -1,0 +1,96 @@
+"""Held-out quality as an objective of validation (issue #27 item 2): the decision rule.
+
+Held-out tau (higher is better) and held-out loss (lower is better) are compared with the resolve
+rule of every other objective (0 outside the interval of the difference) and can decide the
+recommendation, which then names them. The real runs behind it: tests/test_validate_held.py (a
+held validation with ``[train] quality_every``) and the slow end-to-end test at the bottom.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tuning.evidence import Estimate, compare_estimates, heldout_comparisons, recommend, resolved
+from tuning.quality import common_step, estimates
+from tuning.validate import _evidence, block_table
+
+
+def _rows(tput: dict[str, list[float]], peak: dict[str, float]) -> list[dict]:
+    return [{"name": n, "block": k, "throughput_tokens_per_s": v, "mix_efficiency": 0.8 + 0.001 * k,
+             "peak_queue_bytes": peak[n]} for n, vs in tput.items() for k, v in enumerate(vs)]
+
+
+def _est(value: float, half: float, n: int = 48) -> Estimate:
+    return Estimate(value, (value - half, value + half), n)
+
+
+@pytest.mark.parametrize(("a", "b", "clear"), [
+    (_est(1.30, 0.02), _est(1.20, 0.02), True),  # 0.10 apart, half-widths 0.02: resolved
+    (_est(1.22, 0.02), _est(1.20, 0.02), False),  # 0.02 apart: the combined interval holds 0
+    (_est(1.20, 0.0), _est(1.20, 0.0), False),  # no difference at all
+])
+def test_a_held_out_difference_resolves_by_the_one_rule(a: Estimate, b: Estimate, clear: bool) -> None:
+    c = compare_estimates("tuned-1", "baseline", "heldout_tau", a, b)
+    lo, hi = c.ci95
+    assert c.resolved == clear == resolved(lo, hi) and lo <= c.difference <= hi
+    assert math.isclose(c.difference, a.value - b.value) and c.blocks == (48, 48)
+    # two intervals of half-width h combine into one of about h * sqrt(2): wider than either, never narrower
+    assert hi - c.difference >= max(a.ci95[1] - a.value, b.ci95[1] - b.value) - 1e-12
+
+
+def test_held_out_tau_decides_when_throughput_cannot() -> None:
+    """Equal throughput within the noise; baseline holds the least queue memory, so it would win on
+    memory alone; but its held-out tau is resolved worse, so tuned-1 is recommended, named as decided
+    by held-out tau."""
+    blocks = block_table(_rows({"baseline": [100, 120, 90, 110], "tuned-1": [105, 115, 95, 112]},
+                               {"baseline": 1e6, "tuned-1": 4e6}))
+    off = _evidence(blocks, looks=4, block_takes=10)[2]
+    assert off is not None and off.name == "baseline" and off.decided_by == ()
+    assert "Decided by peak queue memory alone" in off.words and "heldout_tau" not in off.objectives
+    held = {"baseline": {"heldout_tau": _est(1.20, 0.02), "heldout_loss": _est(4.00, 0.05)},
+            "tuned-1": {"heldout_tau": _est(1.35, 0.02), "heldout_loss": _est(3.98, 0.05)}}
+    chosen, comps, rec = _evidence(blocks, looks=4, block_takes=10, heldout=held)
+    assert chosen == "tuned-1" and rec is not None and rec.name == "tuned-1"
+    assert rec.objectives == ("throughput_tokens_per_s", "mix_efficiency", "heldout_tau", "heldout_loss")
+    assert rec.decided_by == ("heldout_tau",) and rec.candidates == ("tuned-1",)
+    assert "Decided by held-out tau (baseline resolved worse)" in rec.words
+    assert rec.as_json()["decided_by"] == ["heldout_tau"]
+    by = {c.objective: c for c in comps}
+    assert by["heldout_tau"].resolved and by["heldout_tau"].difference > 0
+    assert not by["heldout_loss"].resolved  # 0.02 apart with half-widths 0.05: not resolved
+
+
+def test_lower_held_out_loss_is_better() -> None:
+    blocks = block_table(_rows({"baseline": [100, 101, 99], "tuned-1": [100, 99, 101]},
+                               {"baseline": 1e6, "tuned-1": 2e6}))
+    held = {"baseline": {"heldout_tau": _est(1.2, 0.05), "heldout_loss": _est(3.0, 0.02)},
+            "tuned-1": {"heldout_tau": _est(1.2, 0.05), "heldout_loss": _est(3.5, 0.02)}}
+    rec = recommend(blocks, {"baseline": 1e6, "tuned-1": 2e6}, max_looks=3, block_takes=10, heldout=held)
+    assert rec.name == "baseline" and rec.decided_by == ("heldout_loss",)
+    worse = next(c for c in rec.against_best if c.objective == "heldout_loss")
+    assert worse.config == "tuned-1" and worse.against == "baseline" and worse.resolved and worse.difference > 0
+
+
+def test_a_configuration_without_a_held_out_score_leaves_the_held_out_objectives_out() -> None:
+    blocks = block_table(_rows({"baseline": [100, 101, 99], "tuned-1": [100, 99, 101]},
+                               {"baseline": 1e6, "tuned-1": 2e6}))
+    held = {"tuned-1": {"heldout_tau": _est(1.5, 0.01), "heldout_loss": _est(3.0, 0.01)}}
+    _, comps, rec = _evidence(blocks, looks=3, block_takes=10, heldout=held)
+    assert rec is not None and "heldout_tau" not in rec.objectives
+    assert all(c.objective not in ("heldout_tau", "heldout_loss") for c in comps)
+    assert heldout_comparisons(held, "tuned-1") == []  # no reference scored
+
+
+def test_the_compared_step_is_the_last_every_configuration_scored() -> None:
+    assert common_step({"a": {7: 0, 15: 0, 23: 0}, "b": {7: 0, 15: 0}}) == 15
+    assert common_step({"a": {7: 0}, "b": {15: 0}}) is None
+
+
+def test_a_held_out_object_gives_tau_and_loss_estimates() -> None:
+    h = {"tau": 1.3, "tau_ci": [1.25, 1.36], "loss": 4.1, "loss_ci": [4.0, 4.2], "sequences": 9,
+         "acceptance": 1.5, "acceptance_ci": [1.4, 1.6]}
+    got = estimates(h)
+    assert got["heldout_tau"] == Estimate(1.3, (1.25, 1.36), 9) and got["heldout_loss"].value == 4.1
+    assert estimates({**h, "tau": None, "tau_ci": None}).keys() == {"heldout_loss"}  # a bucket without blocks
