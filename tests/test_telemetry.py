@@ -24,6 +24,7 @@ from dflash.pipeline.telemetry import (
     WandbLogger,
     flatten,
     gpu_metrics,
+    nvml_device_for,
     percentile,
 )
 
@@ -230,6 +231,27 @@ def test_nvml_sampler_only_the_requested_gpus() -> None:
     with s:
         wait_until(lambda: len(s.latest()) == 1)
     assert [x["gpu"] for x in s.drain()] == [1]
+
+
+@pytest.mark.parametrize(("cuda", "visible", "device"), [
+    (0, None, 0), (1, "", 1), (0, "3", 3), (1, "2, 5", 5), (0, "GPU-8f3e", "GPU-8f3e"), (1, "4,MIG-1a2b", "MIG-1a2b"),
+])
+def test_a_torch_gpu_maps_to_its_nvml_device_through_cuda_visible_devices(cuda, visible, device) -> None:
+    assert nvml_device_for(cuda, visible) == device
+
+
+def test_a_torch_gpu_outside_cuda_visible_devices_is_an_error() -> None:
+    with pytest.raises(ValueError, match="cuda:2"):
+        nvml_device_for(2, "0,1")
+
+
+def test_nvml_sampler_finds_a_gpu_by_uuid() -> None:
+    nv = StandInNvml()
+    nv.nvmlDeviceGetHandleByUUID = lambda uuid: {"GPU-b": 1}[uuid]
+    s = NvmlSampler(nvml=nv, indices=["GPU-b"], interval_s=60)
+    with s:
+        wait_until(lambda: len(s.latest()) == 1)
+    assert [(x["gpu"], x["util"]) for x in s.drain()] == [("GPU-b", 91.0)]
 
 
 # ---------------------------------------------------------------------- W&B

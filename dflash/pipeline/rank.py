@@ -287,10 +287,11 @@ class RankRun:
         if self.device.type != "cuda":
             return []
         if self._gpus is None:
-            from dflash.pipeline.telemetry import NvmlSampler
+            from dflash.pipeline.telemetry import NvmlSampler, nvml_device_for
 
             warn = self.progress if self.roles.is_coordinator else (lambda _m: None)
-            self._gpus = NvmlSampler(NVML_INTERVAL_S, indices=[self.device.index or 0], warn=warn).start()
+            gpu = nvml_device_for(self.device.index or 0, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            self._gpus = NvmlSampler(NVML_INTERVAL_S, indices=[gpu], warn=warn).start()
         return self._gpus.drain()
 
     def _install_signal_handlers(self) -> None:

@@ -70,19 +70,33 @@ def _default_warn(msg: str) -> None:
 
 
 # ====================================================================== NVML
+def nvml_device_for(cuda_index: int, visible: str | None) -> int | str:
+    """The NVML device behind torch's ``cuda:cuda_index``: NVML counts physical GPUs and ignores
+    ``CUDA_VISIBLE_DEVICES`` (``visible``), torch counts the visible ones. An index where the list
+    names indices, the list's entry (a ``GPU-...``/``MIG-...`` UUID) where it names UUIDs."""
+    if visible is None or not visible.strip():
+        return cuda_index
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if not 0 <= cuda_index < len(entries):
+        raise ValueError(f"cuda:{cuda_index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    entry = entries[cuda_index]
+    return int(entry) if entry.isdigit() else entry
+
+
 class NvmlSampler:
     """Samples every visible GPU through NVML in a daemon thread.
 
     ``nvml`` is the ``pynvml`` module (imported at :meth:`start` when None) or any object with the
-    same functions; ``indices`` limits the GPUs (NVML indices are physical: they ignore
-    ``CUDA_VISIBLE_DEVICES``). ``clock`` stamps samples (pass ``queue.now`` for record time).
+    same functions; ``indices`` limits the GPUs: NVML indices, which are physical and ignore
+    ``CUDA_VISIBLE_DEVICES`` (:func:`nvml_device_for` maps a torch index), or UUID strings.
+    ``clock`` stamps samples (pass ``queue.now`` for record time).
     Without NVML, :meth:`start` reports once through ``warn`` and the sampler stays idle.
 
     A sample is ``{"t", "gpu", "util", "mem_util", "mem_used", "mem_total", "power_w", "temp_c",
     "sm_clock_mhz"}`` (bytes, %, W, C, MHz); a field the GPU does not report is None.
     """
 
-    def __init__(self, interval_s: float = 5.0, *, nvml: Any = None, indices: Sequence[int] | None = None,
+    def __init__(self, interval_s: float = 5.0, *, nvml: Any = None, indices: Sequence[int | str] | None = None,
                  warn: Warn | None = None, clock: Callable[[], float] = time.time,
                  max_samples: int = 100_000) -> None:
         if interval_s <= 0:
@@ -97,7 +111,7 @@ class NvmlSampler:
         self._latest: dict[int, dict[str, Any]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._handles: list[tuple[int, Any]] = []
+        self._handles: list[tuple[int | str, Any]] = []
         self._warned_sample = False
         self.available = False
         self.unavailable_reason: str | None = None
@@ -114,8 +128,10 @@ class NvmlSampler:
                 self._nvml = pynvml
             self._nvml.nvmlInit()
             count = int(self._nvml.nvmlDeviceGetCount())
-            indices = range(count) if self._indices is None else [i for i in self._indices if 0 <= i < count]
-            self._handles = [(i, self._nvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
+            wanted = range(count) if self._indices is None else self._indices
+            self._handles = [(i, self._nvml.nvmlDeviceGetHandleByUUID(i)) if isinstance(i, str)
+                             else (i, self._nvml.nvmlDeviceGetHandleByIndex(i)) for i in wanted
+                             if isinstance(i, str) or 0 <= i < count]
             if not self._handles:
                 raise RuntimeError("no GPU found")
         except Exception as exc:  # no driver, no library, no GPU: telemetry off, the run goes on
