@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import torch
 from dflash.core.config import load_config
 from dflash.core.records import read_records
 from dflash.data.conversations import load_conversations, resolve_dataset
-from tests.test_resume_and_control import run_inputs, write_cfg  # noqa: F401 - the fixture
+from tests.test_resume_and_control import run_inputs, stopped_by_sigterm, write_cfg  # noqa: F401 - the fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "DFLASH_WAIT_S": "60", "OMP_NUM_THREADS": "1"}
@@ -43,18 +42,12 @@ def test_a_time_budget_holds_the_rate_decays_at_the_end_and_a_resume_mid_decay_c
     peak = load_config(cfg).train.lr
     run = tmp_path / "run"
     proc = dflash_train("--config", str(cfg), "--out", str(run))
-    try:
+    with stopped_by_sigterm(proc):
         deadline = time.time() + 240
         while not (step_lrs(run) if (run / "step.jsonl").exists() else []) or \
                 step_lrs(run)[-1] >= 0.8 * peak or len(step_lrs(run)) < 20:
             assert proc.poll() is None and time.time() < deadline, "the run ended before its decay"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert next(read_records(run, "summary"))["stopped_by"] == "signal SIGTERM"
     before = step_lrs(run)
     middle = before[len(before) // 4: 3 * len(before) // 4]

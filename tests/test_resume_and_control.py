@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,21 @@ anchors = 16
 {extra}
 """)
     return path
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm(proc: subprocess.Popen) -> Iterator[None]:
+    """Run the body against a live job, then stop it with SIGTERM and require a clean exit; whatever
+    happens, the job's process group does not outlive the test."""
+    try:
+        yield
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
 
 
 def taken_ids(run: Path) -> list[str]:
@@ -174,7 +191,7 @@ def live_run(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> Path:
         write()
         _wait(f"{what} recorded", lambda: _lines(controls) > seen, proc)
 
-    try:
+    with stopped_by_sigterm(proc):
         _wait("step 6", lambda: _lines(steps) >= 6, proc, timeout=240)
         recorded("the change", lambda: main(["tune-live", str(out), "--hs-min-ready", "5"]))
         at = _lines(steps)
@@ -184,13 +201,6 @@ def live_run(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> Path:
             recorded(f"hostile control file {k}", lambda text=text: (out / "control.json").write_text(text))
         at = _lines(steps)
         _wait("three more steps", lambda: _lines(steps) >= at + 3, proc)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     return out
 
 
