@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.runs import RunData, bucket_labels, depth_series, loss_series, rolling_mix
+from reports.runs import RunData, bucket_labels, depth_series, heldout_series, loss_series, rolling_mix
 
 GIB = 2**30
 DPI = 100
@@ -254,6 +254,28 @@ def loss_curves(curves: Sequence[tuple[str, RunData]]) -> bytes:
     ax.set_title("Training loss, measured")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def heldout_curves(curves: Sequence[tuple[str, RunData]]) -> bytes:
+    """Held-out tau and held-out loss of each run over steps, each with its 95% interval as a band."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0), constrained_layout=True)
+    for label, run in curves:
+        pts = heldout_series(run.steps)
+        xs = [s + 1 for s, _ in pts]  # after step s: s + 1 steps trained
+        for ax, key in zip(axes, ("tau", "loss"), strict=True):
+            ys = [_finite(h.get(key)) for _, h in pts]
+            ci = [h.get(f"{key}_ci") or [None, None] for _, h in pts]
+            line = ax.plot(xs, ys, marker="o", ms=3, lw=1.4, label=label)[0]
+            ax.fill_between(xs, [_finite(c[0]) for c in ci], [_finite(c[1]) for c in ci], color=line.get_color(),
+                            alpha=0.2)
+    for ax, what in zip(axes, ("held-out tau (serving walk; higher is better)",
+                               "held-out loss (weighted block CE; lower is better)"), strict=True):
+        ax.set_xlabel("steps trained")
+        ax.set_title(what, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
     return _png(fig)
 
 

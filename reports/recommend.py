@@ -200,9 +200,21 @@ def evidence_blocks(inputs: Inputs) -> list[Text | Bullets]:
                      f"{NA if diff is None else f'{diff:+.4g}'}, 95% interval {rng}: {verdict}")
     blocks.append(Text(f"Comparisons after {val.data.get('rounds', NA)} of at most {val.data.get('max_looks', NA)} "
                        f"rounds of {val.data.get('block_takes', NA)} takes (intervals corrected for the looks; "
-                       f"stopped: {val.data.get('stopped', NA)}):"))
+                       f"stopped: {val.data.get('stopped', NA)}){heldout_caption(val.data.get('heldout'))}:"))
     blocks.append(Bullets(tuple(items)))
+    held = val.data.get("heldout")
+    if isinstance(held, dict) and held.get("note"):
+        blocks.append(Text(str(held["note"])))
     return blocks
+
+
+def heldout_caption(held: Any) -> str:
+    """Where the held-out comparisons (objectives heldout_tau, heldout_loss) were read, if they were."""
+    if not isinstance(held, dict) or not held.get("on") or held.get("step") is None:
+        return ""
+    return (f"; held-out tau and loss compared once, after step {int(held['step']) + 1} (the last step every "
+            f"configuration scored), on the same {held.get('sequences', NA)} held-out sequences, 95% intervals "
+            f"from their bootstrap intervals")
 
 
 def serving_blocks(inputs: Inputs, name: str) -> list[Text | Code]:

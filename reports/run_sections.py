@@ -19,7 +19,7 @@ from reports.document import Figure, Missing, Section, Table, Text
 from reports.fmt import METRICS, NA, fmt_metric, fmt_pm, fmt_rel, num, queue_text
 from reports.inputs import CalibrationInput, Inputs
 from reports.recommend import REFERENCES, chosen_name
-from reports.runs import RunData
+from reports.runs import RunData, heldout_series
 
 MAX_ROWS = 4  # configs shown side by side in the queue figures
 
@@ -139,7 +139,44 @@ def loss_section(inputs: Inputs) -> Section:
     sec.blocks.append(Table(table, "loss_roughness: std of first differences of the per-step loss / mean loss over "
                                    "the stated steps (measured), and the calibrated simulator's prediction; tau: "
                                    "acceptance length of the trained drafter."))
+    sec.blocks.extend(heldout_blocks([(f"{n} (chosen)" if n == chosen else n, rows[n]["run"]) for n in names
+                                      if rows[n]["run"] is not None]))
     return sec
+
+
+def _ci(h: dict[str, Any], key: str, spec: str) -> str:
+    v, ci = num(h.get(key)), h.get(f"{key}_ci")
+    if v is None:
+        return NA
+    lo, hi = (num(x) for x in (ci or [None, None])[:2])
+    return format(v, spec) + ("" if lo is None or hi is None else f" [{lo:{spec}}, {hi:{spec}}]")
+
+
+def heldout_blocks(runs: list[tuple[str, RunData]]) -> list:
+    """The held-out quality metric (``[train] quality_every``): tau and loss over steps with their
+    intervals, and each run at its last scored step, overall and per length bucket; or one line
+    saying it is off and how to turn it on."""
+    scored = [(label, run) for label, run in runs if heldout_series(run.steps)]
+    if not scored:
+        return [Text("Held-out quality: off in these runs (set [train] quality_every = N to score the drafter on a "
+                     "held-out set every N steps).")] if runs else []
+    rows = []
+    for label, run in scored:
+        step, h = heldout_series(run.steps)[-1]
+        for b in [None, *(h.get("per_bucket") or [])]:
+            g = h if b is None else b
+            rows.append({"config": label, "after step": str(step + 1),
+                         "bucket": "all" if b is None else str(b.get("bucket")),
+                         "sequences": str(g.get("sequences", NA)), "blocks": str(g.get("blocks", NA)),
+                         "held-out tau": _ci(g, "tau", ".3f"), "acceptance": _ci(g, "acceptance", ".3f"),
+                         "held-out loss": _ci(g, "loss", ".4f")})
+    return [Figure("heldout", figures.heldout_curves(scored),
+                   "Held-out quality over steps (bands: 95% bootstrap intervals over the held-out sequences)."),
+            Table(pd.DataFrame(rows), "Held-out quality at each run's last scored step, overall and per length "
+                                      "bucket: tau is the serving walk over the window of blocks (what dflash eval "
+                                      "measures on greedy data), acceptance the mean over the window's blocks "
+                                      "(it overstates serving where errors cluster), loss the weighted block "
+                                      "cross-entropy; [95% interval].")]
 
 
 def _curve_label(name: str, chosen: str | None, row: dict[str, Any]) -> str:

@@ -143,3 +143,9 @@ def bucket_labels(bounds: list[int] | None, n_buckets: int) -> list[str]:
         lows = [0, *bounds[:-1]]
         return [f"({lo}, {hi}]" for lo, hi in zip(lows, bounds)]
     return [f"bucket {b}" for b in range(n_buckets)]
+
+
+def heldout_series(steps: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """(step, ``heldout`` object) of the step records that carry the held-out metric, in step order."""
+    return sorted((int(r["step"]), r["heldout"]) for r in steps
+                  if isinstance(r.get("heldout"), dict) and r.get("step") is not None)

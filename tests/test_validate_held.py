@@ -2,7 +2,9 @@
 across its blocks, held between them with its queue intact (issue #26 item 2).
 
 Two tiny configurations alternate A B A B through validate's own ``run_block``, as the claim loop
-runs them; one module-scoped pass is shared by the assertions.
+runs them; one module-scoped pass is shared by the assertions. The base config scores the held-out
+metric at every block's end (``[train] quality_every``, issue #27): the same pass shows validation,
+the report and ``dflash eval`` reading it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ ENTRIES = [{"name": "a", "queue": {"min_ready": 3, "max_depth": 6, "policy": "ra
 @pytest.fixture(scope="module")
 def held(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> dict:  # noqa: F811
     d = tmp_path_factory.mktemp("held")
-    base = load_config(write_cfg(d / "cfg.toml", run_inputs, log_every=1000, checkpoint_every=1000))
+    base = load_config(write_cfg(d / "cfg.toml", run_inputs, log_every=1000, checkpoint_every=1000,
+                                 quality_every=8, quality_per_bucket=3, quality_anchors=8))
     args = ValidateArgs(selection={"configs": ENTRIES}, selection_path="sel.json", takes=24, out=d / "val",
                         calibration=None, claims_url="sqlite://", prompts=1, block_takes=8)
     rows = []
@@ -111,3 +114,75 @@ def test_the_driver_gone_a_held_job_ends_itself_cleanly(tmp_path: Path) -> None:
     assert w.next_block().stop and w.due(5)
     write_held(tmp_path, 2, 8, ended=True)
     assert ended(tmp_path) and not pending_end(tmp_path) and not holding(tmp_path, 2)
+
+
+# --------------------------------------------------------------------------- the held-out objective (issue #27)
+def test_every_block_end_is_scored_on_one_held_out_set_and_validation_compares_it(held) -> None:
+    from tuning.quality import heldout_evidence
+    from tuning.validate import _evidence, block_table
+
+    runs = {e["name"]: held["out"] / "runs" / e["name"] for e in ENTRIES}
+    for run in runs.values():
+        assert [r["step"] for r in read_records(run, "step") if r.get("heldout")] == [7, 15, 23]  # block ends
+    ev = heldout_evidence(runs)
+    assert ev["on"] and ev["same_set"] and ev["step"] == 23 and ev["note"] is None
+    n_seq = len(json.loads((runs["a"] / "heldout.json").read_text())["ids"])
+    assert ev["sequences"] == n_seq >= 3  # quality_per_bucket = 3 of each bucket that has eligible sequences
+    for n in runs:
+        h = ev["configs"][n]
+        assert h["sequences"] == n_seq and h["tau"] >= 1.0 and h["tau_ci"][0] <= h["tau"] <= h["tau_ci"][1]
+        assert set(ev["estimates"][n]) == {"heldout_tau", "heldout_loss"}
+    _, _, rec = _evidence(block_table(held["rows"]), looks=3, block_takes=8, heldout=ev["estimates"])
+    assert rec is not None and {"heldout_tau", "heldout_loss"} <= set(rec.objectives)
+    held_comps = [c for c in rec.against_best if c.objective in ("heldout_tau", "heldout_loss")]
+    assert len(held_comps) == 2 and all(c.blocks == (n_seq, n_seq) for c in held_comps)
+    assert "Decided by" in rec.words
+    off = heldout_evidence({n: held["out"] / "nowhere" for n in runs})  # runs without the metric
+    assert not off["on"] and "quality_every" in off["note"] and off["estimates"] == {}
+
+
+def test_the_reports_loss_section_shows_the_held_out_metric(held) -> None:
+    from reports.document import Figure, Table
+    from reports.run_sections import heldout_blocks
+    from reports.runs import load_run
+
+    runs = [(e["name"], load_run(held["out"] / "runs" / e["name"], e["name"])) for e in ENTRIES]
+    fig, table = heldout_blocks(runs)
+    assert isinstance(fig, Figure) and fig.png[:4] == b"\x89PNG" and isinstance(table, Table)
+    df = table.df
+    assert list(df["config"].unique()) == ["a", "b"] and set(df["after step"]) == {"24"}
+    assert list(df[df["config"] == "a"]["bucket"]) == ["all", "0", "1", "2"]  # overall, then per length bucket
+    last = [r for r in read_records(held["out"] / "runs" / "a", "step") if r.get("heldout")][-1]["heldout"]
+    assert df.iloc[0]["held-out tau"].startswith(f"{last['tau']:.3f} [{last['tau_ci'][0]:.3f}, ")
+    assert "off in these runs" in heldout_blocks([("x", load_run(held["out"] / "nowhere", "x"))])[0].text
+
+
+def test_eval_json_scores_the_runs_drafter_on_its_held_out_set(held, tmp_path: Path, capsys) -> None:
+    """The final drafter is the one the last step record scored: dflash eval's fresh score of it equals
+    that record, from the kept target states and from states computed again without them."""
+    import shutil
+
+    from dflash.cli import main
+    from dflash.cli.verbs.eval import heldout_score
+    from dflash.core.config import with_overrides
+    from dflash.model.drafter import DFlashDrafter
+    from dflash.model.target import load_target
+
+    run = held["out"] / "runs" / "a"
+    last = [r for r in read_records(run, "step") if r.get("heldout")][-1]["heldout"]
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--drafter", str(run / "drafter"), "--prompts", "1", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["heldout"]
+    assert got["states"] == "kept" and got["ids"] == last["sequences"]
+    for k in ("tau", "acceptance", "loss", "sequences", "blocks"):
+        assert got[k] == pytest.approx(last[k], rel=1e-5), k
+    assert "held-out (kept target states" in capsys.readouterr().out
+    bare = tmp_path / "run"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns("states.pt"))
+    cfg = with_overrides(held["base"], {f"queue.{k}": v for k, v in ENTRIES[0]["queue"].items()})
+    target = load_target(str(cfg.target.model))
+    fresh = heldout_score(bare, cfg, target, DFlashDrafter.load(run / "drafter", target.model))
+    assert fresh is not None and fresh["states"] == "computed"
+    assert fresh["tau"] == pytest.approx(last["tau"], rel=1e-4)
+    assert fresh["loss"] == pytest.approx(last["loss"], rel=1e-3)
+

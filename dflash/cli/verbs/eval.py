@@ -40,15 +40,61 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
           f"verification steps, {res['num_prompts']} held-out prompts "
           f"({len(used)} training conversations excluded); {res['tokens_per_s']:.1f} tokens/s")
     print(f"acceptance rate per block position 1..{res['block_size'] - 1}: {rates}")
+    held = heldout_score(run_dir, run_cfg, target, drafter)
+    if held is not None:
+        from dflash.pipeline.quality import quality_line
+
+        res["heldout"] = held
+        print(f"held-out ({held['states']} target states, run's heldout.json): {quality_line(held)}")
     text = json.dumps(clean_json(res), indent=1)
     for out in dict.fromkeys([run_dir / "eval.json", *([Path(args.json)] if args.json else [])]):
         print(f"eval: {atomic_write_text(out, text)}")
     return 0
 
 
+def heldout_score(run_dir: Path, cfg: DflashConfig, target: object, drafter: object) -> dict | None:
+    """The held-out metric (dflash.model.heldout) of this drafter on the run's held-out set, or None when
+    the run has no ``heldout.json`` ([train] quality_every was off).
+
+    The target's side is the run's kept ``heldout/states.pt`` when its fingerprint (sequences, model,
+    captured layers) matches; else it is computed here from the run's data, as the first target rank
+    computes it. The score itself is always fresh, for the drafter given."""
+    import json
+
+    import torch
+
+    from dflash.core.precision import autocast_on, state_dtype_name
+    from dflash.model.heldout import heldout_fingerprint, load_heldout, prepare_heldout, score_heldout
+    from dflash.model.target import HiddenStateCapture
+    from dflash.pipeline.quality import HELDOUT_JSON, STATES_FILE, heldout_sequences
+    from dflash.pipeline.training_data import TrainingData
+
+    path = run_dir / HELDOUT_JSON
+    if not path.is_file():
+        return None
+    desc = json.loads(path.read_text())
+    per_bucket = [list(b) for b in desc["per_bucket"]]
+    layers = list(drafter.spec.target_layer_ids)  # type: ignore[attr-defined]
+    fp = heldout_fingerprint([i for b in per_bucket for i in b], cfg.target.model, layers)
+    states, how = load_heldout(run_dir / STATES_FILE, fp), "kept"
+    if states is None:
+        device = next(target.model.parameters()).device  # type: ignore[attr-defined]
+        data = TrainingData(cfg, target.tokenizer)  # type: ignore[attr-defined]
+        states = prepare_heldout(target.model, HiddenStateCapture(target.model, layers),  # type: ignore[attr-defined]
+                                 heldout_sequences(data, per_bucket), len(per_bucket), device,
+                                 getattr(torch, state_dtype_name(device.type)))
+        how = "computed"
+    dev = next(drafter.parameters()).device  # type: ignore[attr-defined]
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast_on(dev.type)):  # the trainer's rule
+        res = score_heldout(drafter, states, anchors=int(desc.get("anchors") or cfg.train.quality_anchors),
+                            seed=cfg.seed)  # seed: the intervals' bootstrap, as the rank's scorer seeds it
+    return {**res, "states": how, "ids": len(desc.get("ids") or [])}
+
+
 VERB = Verb("acceptance length of a drafter", opts=(
         Opt("--drafter", "indir", "drafter checkpoint directory", required=True, metavar="DIR"),
         Opt("--prompts", "int", f"held-out prompts to evaluate (>= 1; default {DEFAULT_PROMPTS})", lo=1, metavar="N"),
-        Opt("--json", "outfile", "also write the result here: tau, tau_ci95, per-position acceptance, prompts",
+        Opt("--json", "outfile", "also write the result here: tau, tau_ci95, per-position acceptance, prompts, "
+            "and heldout (the held-out metric) when the run has heldout.json",
             metavar="FILE"),
     ))
