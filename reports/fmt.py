@@ -138,3 +138,12 @@ def queue_text(queue: dict[str, Any] | None) -> str:
 
 def join(parts: Sequence[str], sep: str = "; ") -> str:
     return sep.join(p for p in parts if p)
+
+
+def fmt_ci(h: Any, key: str, spec: str) -> str:
+    """``value [lo, hi]`` of a held-out object's figure (``key`` and ``key_ci``), or n/a."""
+    v = num(h.get(key)) if isinstance(h, dict) else None
+    if v is None:
+        return NA
+    ci = [num(x) for x in (h.get(f"{key}_ci") or [])[:2]]
+    return format(v, spec) + (f" [{ci[0]:{spec}}, {ci[1]:{spec}}]" if len(ci) == 2 and None not in ci else "")

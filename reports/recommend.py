@@ -20,7 +20,7 @@ import pandas as pd
 from dflash.core.config import DflashConfig
 from dflash.model.export_serving import export_command, serving_commands, serving_target
 from reports.document import Bullets, Code, Missing, Section, Table, Text
-from reports.fmt import NA, fmt_bytes, fmt_metric, fmt_pm, num, queue_text
+from reports.fmt import NA, fmt_bytes, fmt_ci, fmt_metric, fmt_pm, num, queue_text
 from reports.inputs import Inputs
 
 REFERENCES = ("baseline", "handpicked")
@@ -169,7 +169,8 @@ def section(inputs: Inputs) -> Section:
         if val is not None and val.data.get("best_toml") and val.data.get("chosen") == name:
             sec.blocks.append(Text(f"The configuration file: {val.dir / str(val.data['best_toml'])}"))
         sec.blocks.extend(serving_blocks(inputs, name))
-    sec.blocks.append(summary_table(name, measured, predicted))
+    held = (inputs.validation.data.get("heldout") if inputs.validation is not None else None) or {}
+    sec.blocks.append(summary_table(name, measured, predicted, held.get("configs") or {}))
     return sec
 
 
@@ -238,7 +239,10 @@ def serving_blocks(inputs: Inputs, name: str) -> list[Text | Code]:
             Code("\n".join(lines))]
 
 
-def summary_table(name: str, measured: dict[str, View | None], predicted: dict[str, View | None]) -> Table:
+def summary_table(name: str, measured: dict[str, View | None], predicted: dict[str, View | None],
+                  heldout: dict[str, Any] | None = None) -> Table:
+    """The chosen configuration and the references side by side; held-out tau and loss (validation.json's
+    ``heldout``, at the step they were compared) where the validation scored them."""
     rows = []
     for n in dict.fromkeys((name, *REFERENCES)):
         m, p = measured.get(n), predicted.get(n)
@@ -249,6 +253,8 @@ def summary_table(name: str, measured: dict[str, View | None], predicted: dict[s
             "tokens/s predicted": fmt_pm(TPUT, *_ms(p, TPUT)), "mix_efficiency predicted": fmt_pm(MIX, *_ms(p, MIX)),
             "peak queue memory predicted": fmt_metric(MEM, _ms(p, MEM)[0]),
             "tau measured": fmt_metric("tau", _ms(m, "tau")[0]),
+            "held-out tau": fmt_ci((heldout or {}).get(n), "tau", ".3f"),
+            "held-out loss": fmt_ci((heldout or {}).get(n), "loss", ".4f"),
         })
     df = pd.DataFrame(rows)
     df = df.loc[:, [c for c in df.columns if c in ("config", "queue") or (df[c] != NA).any()]]

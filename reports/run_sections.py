@@ -16,7 +16,7 @@ import pandas as pd
 
 from reports import figures
 from reports.document import Figure, Missing, Section, Table, Text
-from reports.fmt import METRICS, NA, fmt_metric, fmt_pm, fmt_rel, num, queue_text
+from reports.fmt import METRICS, NA, fmt_ci, fmt_metric, fmt_pm, fmt_rel, num, queue_text
 from reports.inputs import CalibrationInput, Inputs
 from reports.recommend import REFERENCES, chosen_name
 from reports.runs import RunData, heldout_series
@@ -144,14 +144,6 @@ def loss_section(inputs: Inputs) -> Section:
     return sec
 
 
-def _ci(h: dict[str, Any], key: str, spec: str) -> str:
-    v, ci = num(h.get(key)), h.get(f"{key}_ci")
-    if v is None:
-        return NA
-    lo, hi = (num(x) for x in (ci or [None, None])[:2])
-    return format(v, spec) + ("" if lo is None or hi is None else f" [{lo:{spec}}, {hi:{spec}}]")
-
-
 def heldout_blocks(runs: list[tuple[str, RunData]]) -> list:
     """The held-out quality metric (``[train] quality_every``): tau and loss over steps with their
     intervals, and each run at its last scored step, overall and per length bucket; or one line
@@ -168,8 +160,8 @@ def heldout_blocks(runs: list[tuple[str, RunData]]) -> list:
             rows.append({"config": label, "after step": str(step + 1),
                          "bucket": "all" if b is None else str(b.get("bucket")),
                          "sequences": str(g.get("sequences", NA)), "blocks": str(g.get("blocks", NA)),
-                         "held-out tau": _ci(g, "tau", ".3f"), "acceptance": _ci(g, "acceptance", ".3f"),
-                         "held-out loss": _ci(g, "loss", ".4f")})
+                         "held-out tau": fmt_ci(g, "tau", ".3f"), "acceptance": fmt_ci(g, "acceptance", ".3f"),
+                         "held-out loss": fmt_ci(g, "loss", ".4f")})
     return [Figure("heldout", figures.heldout_curves(scored),
                    "Held-out quality over steps (bands: 95% bootstrap intervals over the held-out sequences)."),
             Table(pd.DataFrame(rows), "Held-out quality at each run's last scored step, overall and per length "

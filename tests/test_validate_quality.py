@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from tests.test_resume_and_control import run_inputs  # noqa: F401 - the fixture (slow test only)
 from tuning.evidence import Estimate, compare_estimates, heldout_comparisons, recommend, resolved
 from tuning.quality import common_step, estimates
 from tuning.validate import _evidence, block_table
@@ -94,3 +95,55 @@ def test_a_held_out_object_gives_tau_and_loss_estimates() -> None:
     got = estimates(h)
     assert got["heldout_tau"] == Estimate(1.3, (1.25, 1.36), 9) and got["heldout_loss"].value == 4.1
     assert estimates({**h, "tau": None, "tau_ci": None}).keys() == {"heldout_loss"}  # a bucket without blocks
+
+
+def test_the_off_note_is_said_once() -> None:
+    from tuning.quality import OFF_NOTE
+    from tuning.validate import heldout_lines
+
+    assert heldout_lines({"on": False, "note": OFF_NOTE, "step": None, "configs": {}}) == [OFF_NOTE]
+    assert "[train] quality_every" in OFF_NOTE
+
+
+@pytest.mark.slow
+def test_dflash_validate_compares_held_out_quality_end_to_end(tmp_path, run_inputs, capsys) -> None:  # noqa: F811
+    """A real validation (tiny Llama, two configurations, two rounds) with ``[train] quality_every``:
+    the held-out metric is among the compared objectives, in the CLI summary and in the report."""
+    import json
+
+    from dflash.cli import main
+    from tests.test_resume_and_control import write_cfg
+
+    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, log_every=1000, checkpoint_every=1000, quality_every=4,
+                    quality_per_bucket=3, quality_anchors=8, eval_prompts=1, eval_new_tokens=8)
+    sel = tmp_path / "sel.json"
+    sel.write_text(json.dumps({"configs": [
+        {"name": "baseline", "queue": {"min_ready": 3, "max_depth": 6, "policy": "random_item"}},
+        {"name": "tuned-1", "queue": {"min_ready": 2, "max_depth": 4, "policy": "fullest"}}]}))
+    val = tmp_path / "val"
+    assert main(["validate", "--config", str(cfg), "--selection", str(sel), "--takes", "8", "--block-takes", "4",
+                 "--out", str(val)]) == 0
+    cli = capsys.readouterr().out
+    payload = json.loads((val / "validation.json").read_text())
+    assert {"heldout_tau", "heldout_loss"} <= set(payload["objectives"])
+    assert payload["heldout"]["on"] and payload["heldout"]["same_set"] and payload["heldout"]["step"] == 7
+    held = [c for c in payload["comparisons"] if c["objective"].startswith("heldout_")]
+    assert {(c["config"], c["against"], c["objective"]) for c in held} == {
+        ("tuned-1", "baseline", "heldout_tau"), ("tuned-1", "baseline", "heldout_loss")}
+    for c in held:
+        lo, hi = c["ci95"]
+        assert c["resolved"] == (not lo <= 0 <= hi)
+        verdict = "resolved" if c["resolved"] else "NOT resolved"
+        assert f"tuned-1 vs baseline on {c['objective']}: {c['difference']:+.4g} (95% interval {lo:+.4g} .. " \
+               f"{hi:+.4g}): {verdict}" in cli
+    rec = payload["recommendation"]
+    assert rec["objectives"] == payload["objectives"] and "Decided by" in rec["words"]
+    assert set(rec["decided_by"]) <= set(payload["objectives"])
+    assert "held-out (" in cli and "after step 8" in cli and "quality_every = N" not in cli
+    for name in ("baseline", "tuned-1"):
+        assert f"  {name}: tau " in cli
+    assert main(["report", str(val), "--out", str(tmp_path / "report")]) == 0
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "held-out tau and loss compared once, after step 8" in md
+    assert "| held-out tau | held-out loss |" in md  # the recommendation's side-by-side table
+    assert (tmp_path / "report" / "figures" / "heldout.png").is_file()

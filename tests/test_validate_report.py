@@ -33,6 +33,10 @@ def test_the_cli_summary_and_the_report_of_one_validation_agree(tmp_path: Path, 
     payload = json.loads((val / "validation.json").read_text())
     words = payload["recommendation"]["words"]
     assert f"recommended: {words}" in cli
+    # without [train] quality_every the held-out objective is off: said once, with how to turn it on
+    assert cli.count("held-out quality objective: off") == 1 and "quality_every = N" in cli
+    assert payload["heldout"]["on"] is False and "heldout_tau" not in payload["objectives"]
+    assert "Decided by" in words
 
     assert main(["report", str(val), "--out", str(tmp_path / "report")]) == 0
     md = (tmp_path / "report" / "report.md").read_text()

@@ -7,6 +7,9 @@ configuration for the same number of steps under the calibration (several seeds:
 spread). When every configuration is done, the worker that sees it writes ``validation.json``
 (prediction, measurement, relative error per metric), picks the validated best by the sweep's own
 knee rule on *measured* throughput and ``mix_efficiency``, and writes ``best.toml`` for the full run.
+With ``[train] quality_every`` the runs also score their drafters on one shared held-out set, and
+held-out tau and loss join the compared objectives at the last step every configuration scored
+(:mod:`tuning.quality`); without it the summary says once that this objective is off.
 
 A measurement's standard error comes from its spread over consecutive blocks of the run
 (throughput: five time blocks of the steady span; ``mix_efficiency``: the metric's own window
@@ -634,9 +637,7 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
     from tuning.quality import heldout_evidence
 
     held = heldout_evidence({n: args.out / "runs" / n for n in entries if n in blocks})
-    chosen, comps, rec = _evidence(blocks, looks, args.block_takes, held.pop("estimates"))
-    if held["note"]:
-        progress(held["note"])
+    chosen, comps, rec = _evidence(blocks, looks, args.block_takes, held.pop("estimates"))  # its note: printed once
     target = load_target(base.target.model) if blocks else None
     configs = [config_row(entries[n], [r for r in done if r["name"] == n], base, calibrated, args, target)
                for n in entries if n in blocks]
