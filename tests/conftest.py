@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -57,3 +61,14 @@ def qcfg(**kw) -> QueueConfig:
     base = {"min_ready": 1, "max_depth": 8}
     base.update(kw)
     return QueueConfig(**base)
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script outside the package (benchmarks/, scripts/) imported as a module under its file name,
+    registered in ``sys.modules`` so its dataclasses and pickles resolve."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -13,17 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_script as load_script_from
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules["gpu_check"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script_from(SCRIPT)
 
 
 @pytest.mark.parametrize("argv, flag", [

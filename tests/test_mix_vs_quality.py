@@ -5,7 +5,6 @@ real sweep and rank jobs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "mix_vs_quality.py"
 LINE = re.compile(r"^mix-vs-quality: (?:[^;]+ loss \d+\.\d{3} \[\d+\.\d{3}, \d+\.\d{3}\] acc \d+\.\d{3} "
@@ -21,12 +22,7 @@ LINE = re.compile(r"^mix-vs-quality: (?:[^;]+ loss \d+\.\d{3} \[\d+\.\d{3}, \d+\
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("mix_vs_quality", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules["mix_vs_quality"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 @pytest.mark.parametrize("argv, flag", [
