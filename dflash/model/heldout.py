@@ -107,9 +107,11 @@ def window_anchors(seq: HeldoutSequence, block_size: int, n: int) -> torch.Tenso
     response token with the block inside the sequence, the training rule), in order from the start of
     the response, where serving's first block stands. Consecutive, so the serving walk
     (:func:`serving_walk`) can be replayed over them."""
-    limit = int(seq.input_ids.numel()) - block_size
-    elig = torch.nonzero(seq.loss_mask[: max(limit + 1, 0)], as_tuple=False).flatten()
-    return elig[:n]
+    from dflash.model.drafter import sample_anchors
+
+    every = int(seq.loss_mask.numel())  # more than can be eligible: every eligible position, in order, no draw
+    anchors, valid = sample_anchors(seq.loss_mask.view(1, -1), block_size, every)
+    return anchors[0][valid[0]][:n]
 
 
 def serving_walk(anchors: Sequence[int], lengths: Sequence[int]) -> tuple[int, int]:
@@ -241,6 +243,12 @@ def summarize(rows: Sequence[Row], n_buckets: int, block_size: int, seed: int = 
 
 def score_heldout(drafter: Any, states: HeldoutStates, *, anchors: int, seed: int = 0,
                   device: torch.device | str | None = None) -> dict[str, Any]:
-    """Score the drafter on the held-out set: the ``heldout`` object (:func:`summarize`)."""
-    rows = score_sequences(drafter, states, anchors=anchors, device=device)
+    """Score the drafter on the held-out set: the ``heldout`` object (:func:`summarize`), under the
+    trainer's autocast rule for the device it runs on (:mod:`dflash.core.precision`), so the rank's
+    scorer and ``dflash eval`` score alike."""
+    from dflash.core.precision import autocast_on
+
+    dev = torch.device(device) if device is not None else next(drafter.parameters()).device
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast_on(dev.type)):
+        rows = score_sequences(drafter, states, anchors=anchors, device=dev)
     return summarize(rows, states.n_buckets, drafter.spec.block_size, seed=seed)

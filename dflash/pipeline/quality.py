@@ -98,9 +98,8 @@ class QualityScorer:
 
         rr = self.rr
         t0 = time.perf_counter()
-        with torch.autocast(rr.device.type, dtype=torch.bfloat16, enabled=rr.autocast):
-            res = score_heldout(rr.drafter, self._states(), anchors=rr.cfg.train.quality_anchors, seed=rr.cfg.seed,
-                                device=rr.device)  # seed: the intervals' bootstrap
+        res = score_heldout(rr.drafter, self._states(), anchors=rr.cfg.train.quality_anchors, seed=rr.cfg.seed,
+                            device=rr.device)  # seed: the intervals' bootstrap
         res["score_s"] = time.perf_counter() - t0
         if wb is not None:
             wb.log({"heldout/loss": res["loss"], "heldout/acceptance": res["acceptance"], "heldout/tau": res["tau"],

@@ -63,7 +63,7 @@ def heldout_score(run_dir: Path, cfg: DflashConfig, target: object, drafter: obj
 
     import torch
 
-    from dflash.core.precision import autocast_on, state_dtype_name
+    from dflash.core.precision import state_dtype_name
     from dflash.model.heldout import heldout_fingerprint, load_heldout, prepare_heldout, score_heldout
     from dflash.model.target import HiddenStateCapture
     from dflash.pipeline.quality import HELDOUT_JSON, STATES_FILE, heldout_sequences
@@ -84,10 +84,8 @@ def heldout_score(run_dir: Path, cfg: DflashConfig, target: object, drafter: obj
                                  heldout_sequences(data, per_bucket), len(per_bucket), device,
                                  getattr(torch, state_dtype_name(device.type)))
         how = "computed"
-    dev = next(drafter.parameters()).device  # type: ignore[attr-defined]
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast_on(dev.type)):  # the trainer's rule
-        res = score_heldout(drafter, states, anchors=int(desc.get("anchors") or cfg.train.quality_anchors),
-                            seed=cfg.seed)  # seed: the intervals' bootstrap, as the rank's scorer seeds it
+    res = score_heldout(drafter, states, anchors=int(desc.get("anchors") or cfg.train.quality_anchors),
+                        seed=cfg.seed)  # seed: the intervals' bootstrap, as the rank's scorer seeds it
     return {**res, "states": how, "ids": len(desc.get("ids") or [])}
 
 
