@@ -333,8 +333,10 @@ class DraftLoss:
 
     ``tokens``: counted (slot, anchor) predictions; ``weight_sum``: sum of their ``w_k``;
     ``anchors``: valid anchors; ``correct``: counted predictions whose argmax is the target (a cheap
-    training accuracy). Counts are Python numbers already reduced on this worker; sum them across
-    workers and accumulation steps before normalising.
+    training accuracy); ``context_seen``: context positions the valid blocks attend to, summed over
+    blocks (the attention's size, for the model FLOPs: :mod:`dflash.model.flops`). Counts are Python
+    numbers already reduced on this worker; sum them across workers and accumulation steps before
+    normalising.
     """
 
     loss_sum: torch.Tensor
@@ -342,6 +344,7 @@ class DraftLoss:
     weight_sum: float
     anchors: int
     correct: int
+    context_seen: int = 0
 
     def mean(self, by: str = "weights") -> torch.Tensor:
         """This forward's own mean (for logging, or when it is the whole global batch); ``by`` is
@@ -349,6 +352,14 @@ class DraftLoss:
         if by not in ("tokens", "weights"):
             raise ValueError(f"by must be 'tokens' or 'weights', got {by!r}")
         return normalised_loss(self.loss_sum, self.tokens if by == "tokens" else self.weight_sum)
+
+
+def _context_seen(anchors: torch.Tensor, valid: torch.Tensor, context_valid: torch.Tensor | None) -> torch.Tensor:
+    """Context positions the valid blocks see, summed (a 0-d tensor): the real positions before each anchor."""
+    if context_valid is None:
+        return (anchors * valid).sum()
+    real_before = context_valid.long().cumsum(1).gather(1, (anchors - 1).clamp(min=0))  # real positions <= a - 1
+    return (real_before * (valid & (anchors > 0))).sum()
 
 
 def normalised_loss(loss_sum: torch.Tensor, denominator: float) -> torch.Tensor:
@@ -522,7 +533,8 @@ class DFlashDrafter(nn.Module):
         elif anchor_valid is None:
             anchor_valid = torch.ones_like(anchors, dtype=torch.bool)
         anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev).bool()
-        n_anchor = int(anchor_valid.sum())
+        counts = torch.stack([anchor_valid.sum(), _context_seen(anchors, anchor_valid, valid_ctx)])
+        n_anchor, seen = (int(x) for x in counts.tolist())  # one host sync for both
         if anchors.shape[1] == 0 or n_anchor == 0:
             zero = sum(p.sum() for p in self.trainable_parameters()) * 0.0
             return DraftLoss(zero.float(), 0, 0.0, 0, 0)
@@ -537,12 +549,12 @@ class DFlashDrafter(nn.Module):
         rows = hidden[counted]
         if rows.shape[0] == 0:
             zero = hidden.sum() * 0.0
-            return DraftLoss(zero.float(), 0, 0.0, n_anchor, 0)
+            return DraftLoss(zero.float(), 0, 0.0, n_anchor, 0, seen)
         head_dtype = torch.promote_types(self.lm_head.weight.dtype, torch.float32)
         w = spec.slot_weights(dev, head_dtype).expand_as(counted)[counted]
         loss_sum, correct = chunked_linear_cross_entropy(rows, self.lm_head, tgt[counted], w, spec.loss_chunk_rows)
         return DraftLoss(loss_sum=loss_sum, tokens=int(rows.shape[0]), weight_sum=float(w.sum()),
-                         anchors=n_anchor, correct=correct)
+                         anchors=n_anchor, correct=correct, context_seen=seen)
 
     # ---- inference ----------------------------------------------------------------------
     @torch.no_grad()
