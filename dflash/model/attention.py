@@ -41,7 +41,7 @@ import torch.nn.functional as F
 ATTENTION_BACKENDS = ("auto", "dense", "flex")
 DENSE, FLEX = "dense", "flex"
 
-_compiled: dict[str, Any] = {}  # device type -> the flex_attention callable for it (compiled once on CUDA)
+_compiled: dict[tuple[str, str], Any] = {}  # (function, device type) -> its callable (compiled once on CUDA)
 
 
 def flex_available() -> bool:
@@ -99,17 +99,23 @@ def dflash_mask_mod(anchors: torch.Tensor, seq_len: int, block_size: int,
     key ``k >= S`` is slot ``(k - S) % B`` of block ``(k - S) // B``. Indices are clamped before they
     index ``anchors`` / ``context_valid``: the kernel evaluates the rule on the padding of its last
     tile too, and those results are discarded, but the reads must stay in bounds.
+
+    What changes from item to item (``S``, the number of blocks) is captured as 0-d tensors, never as
+    Python ints: compiled code guards on a captured int and would compile again for every new length
+    (torch's recompile limit then falls back to the unfused kernel); a tensor's value is data.
     """
-    n_blocks = anchors.shape[1]
+    dev = anchors.device
+    seq = torch.tensor(seq_len, device=dev)
+    last_block = torch.tensor(anchors.shape[1] - 1, device=dev)
     valid = context_valid.bool() if context_valid is not None else None
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        q_block = (q_idx // block_size).clamp(max=n_blocks - 1)
-        in_context = kv_idx < seq_len
+        q_block = torch.minimum(q_idx // block_size, last_block)
+        in_context = kv_idx < seq
         sees_context = in_context & (kv_idx < anchors[b, q_block])
         if valid is not None:
-            sees_context = sees_context & valid[b, kv_idx.clamp(max=seq_len - 1)]
-        own_block = ~in_context & ((kv_idx - seq_len) // block_size == q_block)
+            sees_context = sees_context & valid[b, torch.minimum(kv_idx, seq - 1)]
+        own_block = ~in_context & ((kv_idx - seq) // block_size == q_block)
         return sees_context | own_block
 
     return mask_mod
@@ -119,16 +125,14 @@ def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int,
                     context_valid: torch.Tensor | None = None) -> Any:
     """The mask as a flex ``BlockMask`` (batch ``b``, broadcast over heads), built on ``anchors``' device.
 
-    On CUDA the builder is compiled (torch's ``_compile=True``, as SpecForge does), so it never holds
-    the dense ``[A*B, S + A*B]`` mask; elsewhere it runs eagerly (it evaluates the rule on every pair
-    once, as the dense mask would).
+    On CUDA the builder is compiled (``torch.compile(create_block_mask)``, as SpecForge does), so it
+    never holds the dense ``[A*B, S + A*B]`` mask; elsewhere it runs eagerly (it evaluates the rule on
+    every pair once, as the dense mask would).
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
     b, a = anchors.shape
-    return create_block_mask(dflash_mask_mod(anchors, seq_len, block_size, context_valid), B=b, H=None,
-                             Q_LEN=a * block_size, KV_LEN=seq_len + a * block_size, device=anchors.device,
-                             _compile=anchors.device.type == "cuda")
+    build = _compiled_fn("create_block_mask", anchors.device.type)
+    return build(dflash_mask_mod(anchors, seq_len, block_size, context_valid), B=b, H=None, Q_LEN=a * block_size,
+                 KV_LEN=seq_len + a * block_size, device=anchors.device)
 
 
 def draft_mask(backend: str, anchors: torch.Tensor, seq_len: int, block_size: int,
@@ -140,15 +144,18 @@ def draft_mask(backend: str, anchors: torch.Tensor, seq_len: int, block_size: in
 
 
 # --------------------------------------------------------------------------- applying it
-def _flex_fn(device_type: str) -> Any:
-    """flex_attention for ``device_type``: compiled once per process on CUDA (the fused kernel; shapes
-    that change from item to item make torch recompile once with dynamic sizes), eager elsewhere."""
-    fn = _compiled.get(device_type)
+def _compiled_fn(name: str, device_type: str) -> Any:
+    """``flex_attention`` or ``create_block_mask`` for ``device_type``: compiled once per process on CUDA
+    (the fused kernel; shapes that change from item to item make torch compile once more, with dynamic
+    sizes), eager elsewhere."""
+    fn = _compiled.get((name, device_type))
     if fn is None:
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention import flex_attention as fa
 
-        fn = torch.compile(flex_attention) if device_type == "cuda" else flex_attention
-        _compiled[device_type] = fn
+        fn = getattr(fa, name)
+        if device_type == "cuda":
+            fn = torch.compile(fn)
+        _compiled[(name, device_type)] = fn
     return fn
 
 
@@ -165,7 +172,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torc
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return _flex_fn(q.device.type)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return _compiled_fn("flex_attention", q.device.type)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 __all__ = ["ATTENTION_BACKENDS", "DENSE", "FLEX", "attend", "block_attention_mask", "dflash_mask_mod",
