@@ -4,6 +4,8 @@ real forward and backward, recomputation not counted; the device peak table by t
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +134,19 @@ def test_mfu_is_achieved_over_peak_and_none_without_a_peak():
     assert step_efficiency(2e12, 0.5, None) == {"model_flops": 2e12, "flops_per_s": 4e12, "mfu": None}
     rec = step_efficiency(989.5e12, 2.0, h100)
     assert rec["flops_per_s"] == 494.75e12 and rec["mfu"] == pytest.approx(0.5)
+
+
+@pytest.mark.slow
+def test_the_mfu_benchmark_runs_a_real_step_on_the_cpu(tmp_path):
+    """benchmarks/drafter_mfu.py, the GPU measurement of the issue's MFU goal, on its tiny shape: the dense path
+    only on the CPU, FLOP/s from the same formula, no MFU."""
+    from tests.conftest import load_script
+
+    bench = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "drafter_mfu.py")
+    out = bench.main(["--shape", "tiny", "--steps", "2", "--warmup", "1", "--device", "cpu",
+                      "--json", str(tmp_path / "r.json")])
+    assert [r["attention"] for r in out] == ["dense"]
+    r = out[0]
+    assert r["model_flops"] > 0 and r["flops_per_s"] == pytest.approx(r["model_flops"] / r["step_s_median"])
+    assert r["mfu"] is None and r["peak_memory_gib"] is None
+    assert json.loads((tmp_path / "r.json").read_text()) == out
