@@ -92,6 +92,9 @@ def test_every_step_trains_anchors_and_the_loss_curve_is_whole(epoch_run) -> Non
     steps = list(read_records(epoch_run["run"], "step"))
     assert [r["step"] for r in steps] == list(range(len(steps)))
     assert all(r["anchors"] > 0 and r["loss"] > 0 for r in steps)
+    # model FLOPs and their rate in every step record (dflash.model.flops); no MFU on the CPU (no peak)
+    assert all(r["model_flops"] > 0 and r["flops_per_s"] == pytest.approx(r["model_flops"] / r["step_s"])
+               and r["mfu"] is None for r in steps)
 
 
 def test_the_run_leaves_metrics_parquet_and_a_drafter_that_loads_with_one_call(epoch_run) -> None:

@@ -278,9 +278,15 @@ class DrafterConfig:
     # Recompute each draft layer's forward in the backward (torch.utils.checkpoint): an item keeps one
     # layer's activations instead of every layer's, for about one more forward of the draft layers.
     checkpoint_layers: bool = False
+    # How the draft layers apply their attention mask (dflash.model.attention): "dense" (a boolean mask for
+    # SDPA: the reference, runs everywhere), "flex" (a flex_attention block mask: masked tiles skipped, no
+    # bias kept, k/v not copied per head; CUDA only, torch has no flex backward on the CPU) or "auto"
+    # (flex on CUDA, dense on the CPU). Speed and memory, not the result.
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("drafter.layers", self.layers, 1)
+        check_choice("drafter.attention", self.attention, ("auto", "dense", "flex"))
         if not isinstance(self.checkpoint_layers, bool):
             raise ConfigError("drafter.checkpoint_layers", "must be true or false", self.checkpoint_layers)
         check_int("drafter.block_size", self.block_size, 2)
@@ -290,6 +296,9 @@ class DrafterConfig:
             check_float("drafter.gamma", self.gamma, 0.0, lo_open=True)
         _check_devices("drafter.devices", self.devices)
         object.__setattr__(self, "devices", tuple(self.devices))
+        if self.attention == "flex" and "cpu" in self.devices:
+            raise ConfigError("drafter.attention", "flex needs CUDA drafter devices (torch's flex_attention has no"
+                              " backward on the CPU); use auto or dense", self.attention)
 
     @property
     def effective_gamma(self) -> float:

@@ -27,8 +27,10 @@ copies the two frozen tables to that device once.
 slots of block ``j`` may see context position ``p`` iff ``p < a_j`` (strictly before its own anchor,
 decided by *position*, never by block index: anchors may be closer than ``B`` apart, and a
 block-index rule would then leak the tokens the block must predict) and the slots of block ``j``
-itself, in both directions; nothing of any other block. That is one boolean mask for
-``torch.nn.functional.scaled_dot_product_attention``, so the same code runs on CPU and GPU.
+itself, in both directions; nothing of any other block. :mod:`dflash.model.attention` applies that
+rule either as one boolean mask for ``torch.nn.functional.scaled_dot_product_attention`` (the dense
+reference; CPU training) or as a flex_attention block mask (CUDA: tiles the mask rules out are
+skipped, no bias is kept, k/v are not copied per head); ``spec.attention`` chooses.
 
 **Loss.** Cross-entropy at slots ``k = 1..B-1`` weighted by ``w_k = exp(-(k-1)/gamma)``, counted
 only where ``a + k`` is inside the sequence and ``loss_mask[a + k]`` is 1 (upstream's convention: the
@@ -56,6 +58,7 @@ from torch import nn
 
 from dflash.core.config import DrafterConfig, default_gamma
 from dflash.core.errors import ConfigError
+from dflash.model.attention import ATTENTION_BACKENDS, attend, block_attention_mask, draft_mask, resolve_backend
 from dflash.model.chunked_ce import DEFAULT_CHUNK_ROWS, chunked_linear_cross_entropy
 
 WEIGHTS_FILE = "drafter.safetensors"
@@ -110,6 +113,7 @@ class DrafterSpec:
     rope_theta: float = 10000.0
     loss_chunk_rows: int = DEFAULT_CHUNK_ROWS  # LM-head rows per chunk of the loss (memory, not the result)
     checkpoint_layers: bool = False  # recompute each draft layer in the backward (memory, not the result)
+    attention: str = "auto"  # dense mask or flex block mask (dflash.model.attention; speed and memory, not the result)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -132,6 +136,8 @@ class DrafterSpec:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if not isinstance(self.checkpoint_layers, bool):
             raise ValueError(f"checkpoint_layers must be true or false, got {self.checkpoint_layers!r}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
 
     @property
     def num_context_layers(self) -> int:
@@ -164,7 +170,7 @@ class DrafterSpec:
             vocab_size=int(config.vocab_size), target_layer_ids=tuple(target_layer_ids),
             mask_token_id=int(mask_token_id), layers=d.layers, block_size=d.block_size, anchors=d.anchors,
             gamma=float(d.gamma if d.gamma is not None else default_gamma(d.block_size)),
-            loss_chunk_rows=d.loss_chunk_rows, checkpoint_layers=d.checkpoint_layers,
+            loss_chunk_rows=d.loss_chunk_rows, checkpoint_layers=d.checkpoint_layers, attention=d.attention,
             rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)), rope_theta=float(theta))
         kw.update(overrides)
         return cls(**kw)
@@ -241,7 +247,7 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+                rope_k: tuple[torch.Tensor, torch.Tensor], mask: Any) -> torch.Tensor:
         b, nq, _ = x.shape
         kv_in = torch.cat([ctx, x], dim=1)
         nk = kv_in.shape[1]
@@ -252,10 +258,7 @@ class DraftAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = _rope(q, *rope_q)
         k = _rope(k, *rope_k)
-        if self.h != self.kv:
-            k = k.repeat_interleave(self.h // self.kv, dim=1)
-            v = v.repeat_interleave(self.h // self.kv, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = attend(q, k, v, mask)  # dense boolean mask or flex block mask (dflash.model.attention)
         return self.o_proj(out.transpose(1, 2).reshape(b, nq, self.h * self.hd))
 
 
@@ -281,8 +284,7 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = DraftMLP(spec)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any,
-                mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: Any) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -324,26 +326,6 @@ def sample_anchors(loss_mask: torch.Tensor, block_size: int, max_anchors: int,
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
 
 
-def block_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int,
-                         context_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Boolean SDPA mask ``[b, 1, A*B, S + A*B]`` (True = may attend) for all blocks at once.
-
-    Block ``j``'s slots see context position ``p`` iff ``p < anchors[j]`` (and ``context_valid[p]``
-    when given), and the ``B`` slots of block ``j``; nothing else. Visibility of the context is
-    decided by position, so overlapping anchors cannot leak.
-    """
-    b, a = anchors.shape
-    dev = anchors.device
-    pos = torch.arange(seq_len, device=dev)
-    ctx = pos[None, None, :] < anchors[:, :, None]  # [b, A, S]
-    if context_valid is not None:
-        ctx = ctx & context_valid.bool()[:, None, :]
-    ctx = ctx[:, :, None, :].expand(b, a, block_size, seq_len).reshape(b, a * block_size, seq_len)
-    blk_id = torch.arange(a, device=dev).repeat_interleave(block_size)
-    own = (blk_id[:, None] == blk_id[None, :])[None].expand(b, -1, -1)
-    return torch.cat([ctx, own], dim=-1)[:, None]
-
-
 # --------------------------------------------------------------------------- losses
 @dataclass(frozen=True)
 class DraftLoss:
@@ -351,8 +333,10 @@ class DraftLoss:
 
     ``tokens``: counted (slot, anchor) predictions; ``weight_sum``: sum of their ``w_k``;
     ``anchors``: valid anchors; ``correct``: counted predictions whose argmax is the target (a cheap
-    training accuracy). Counts are Python numbers already reduced on this worker; sum them across
-    workers and accumulation steps before normalising.
+    training accuracy); ``context_seen``: context positions the valid blocks attend to, summed over
+    blocks (the attention's size, for the model FLOPs: :mod:`dflash.model.flops`). Counts are Python
+    numbers already reduced on this worker; sum them across workers and accumulation steps before
+    normalising.
     """
 
     loss_sum: torch.Tensor
@@ -360,6 +344,7 @@ class DraftLoss:
     weight_sum: float
     anchors: int
     correct: int
+    context_seen: int = 0
 
     def mean(self, by: str = "weights") -> torch.Tensor:
         """This forward's own mean (for logging, or when it is the whole global batch); ``by`` is
@@ -367,6 +352,14 @@ class DraftLoss:
         if by not in ("tokens", "weights"):
             raise ValueError(f"by must be 'tokens' or 'weights', got {by!r}")
         return normalised_loss(self.loss_sum, self.tokens if by == "tokens" else self.weight_sum)
+
+
+def _context_seen(anchors: torch.Tensor, valid: torch.Tensor, context_valid: torch.Tensor | None) -> torch.Tensor:
+    """Context positions the valid blocks see, summed (a 0-d tensor): the real positions before each anchor."""
+    if context_valid is None:
+        return (anchors * valid).sum()
+    real_before = context_valid.long().cumsum(1).gather(1, (anchors - 1).clamp(min=0))  # real positions <= a - 1
+    return (real_before * (valid & (anchors > 0))).sum()
 
 
 def normalised_loss(loss_sum: torch.Tensor, denominator: float) -> torch.Tensor:
@@ -494,7 +487,7 @@ class DFlashDrafter(nn.Module):
         q_pos = (anchors[:, :, None] + torch.arange(bs, device=dev)).view(b, a * bs)
         k_pos = torch.cat([torch.arange(s, device=dev).expand(b, s), q_pos], dim=1)
         rope_q, rope_k = self._cos_sin(q_pos), self._cos_sin(k_pos)
-        mask = block_attention_mask(anchors, s, bs, context_valid)
+        mask = draft_mask(resolve_backend(self.spec.attention, dev), anchors, s, bs, context_valid)
         ctx = self.fuse(context_states)
         recompute = self.spec.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
@@ -540,7 +533,8 @@ class DFlashDrafter(nn.Module):
         elif anchor_valid is None:
             anchor_valid = torch.ones_like(anchors, dtype=torch.bool)
         anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev).bool()
-        n_anchor = int(anchor_valid.sum())
+        counts = torch.stack([anchor_valid.sum(), _context_seen(anchors, anchor_valid, valid_ctx)])
+        n_anchor, seen = (int(x) for x in counts.tolist())  # one host sync for both
         if anchors.shape[1] == 0 or n_anchor == 0:
             zero = sum(p.sum() for p in self.trainable_parameters()) * 0.0
             return DraftLoss(zero.float(), 0, 0.0, 0, 0)
@@ -555,12 +549,12 @@ class DFlashDrafter(nn.Module):
         rows = hidden[counted]
         if rows.shape[0] == 0:
             zero = hidden.sum() * 0.0
-            return DraftLoss(zero.float(), 0, 0.0, n_anchor, 0)
+            return DraftLoss(zero.float(), 0, 0.0, n_anchor, 0, seen)
         head_dtype = torch.promote_types(self.lm_head.weight.dtype, torch.float32)
         w = spec.slot_weights(dev, head_dtype).expand_as(counted)[counted]
         loss_sum, correct = chunked_linear_cross_entropy(rows, self.lm_head, tgt[counted], w, spec.loss_chunk_rows)
         return DraftLoss(loss_sum=loss_sum, tokens=int(rows.shape[0]), weight_sum=float(w.sum()),
-                         anchors=n_anchor, correct=correct)
+                         anchors=n_anchor, correct=correct, context_seen=seen)
 
     # ---- inference ----------------------------------------------------------------------
     @torch.no_grad()

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dflash.model.flops import peak_for, step_efficiency
 from dflash.pipeline.checkpoint import write_checkpoint
 from dflash.pipeline.workers import STOP_MAX_STEPS, STOP_NONE, DrafterWorker
 
@@ -31,6 +32,8 @@ class DrafterLoop:
         self.elapsed_s = 0.0  # training time, all sessions (the ranks agree on it every step)
         self.held_s = 0.0  # time spent holding between validation blocks (not training time)
         self.hold = _hold_watch(rr) if self.host else None
+        # dense bf16 peak of this rank's GPU (by the name NVML and CUDA report); None on the CPU: no MFU
+        self.peak = peak_for(torch.cuda.get_device_name(rr.device)) if rr.device.type == "cuda" else None
         self.eval_skip_said = False  # train.eval_every on a placement it cannot run on: said once
         self.quality = None  # train.quality_every: the held-out metric (dflash.pipeline.quality), host rank
         if self.host and self.cfg.train.quality_every is not None:
@@ -70,6 +73,8 @@ class DrafterLoop:
                     break
                 res, info = got
                 info["step_s"] = time.perf_counter() - ts
+                info.update(step_efficiency(info["model_flops"], info["step_s"], self.peak,
+                                            torch.distributed.get_world_size(w.group)))
                 self._add_stages(res.stages)
                 skipped = info.pop("skipped")  # no anchor in any take: not a step (the same number again)
                 if self.host and not skipped and train.eval_every and (step + 1) % train.eval_every == 0:
@@ -168,6 +173,7 @@ class DrafterLoop:
         loss = info["loss"]
         metrics = {"loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"], "tokens_per_s": tokens_per_s,
                    "hs_depth": q["depth"], "queued_bytes": q["queued_bytes"],
+                   **{k: info[k] for k in ("flops_per_s", "mfu") if info.get(k) is not None},
                    **{f"hs_depth/bucket_{i}": d for i, d in enumerate(q["bucket_depths"])},
                    **{f"resident_bytes/rank_{r}": b for r, b in enumerate(q["resident_bytes_per_producer"])},
                    **{f"stage/{k.removesuffix('_s')}_mean": tot / n for k, (tot, n) in self.stage_totals.items()

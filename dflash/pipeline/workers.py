@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.core.sampler import ItemSpec
+from dflash.model.flops import StepCounts, train_flops
 from dflash.pipeline.channel import Channel, ChannelError
 from dflash.pipeline.stageclock import StageClock, synchronize
 from dflash.pipeline.transport import TensorMeta, Transport, describe, fingerprint
@@ -212,6 +213,7 @@ class StepResult:
     anchors: int = 0
     n_items: int = 0
     real_tokens: int = 0
+    model_flops: float = 0.0  # the items' model FLOPs, forward and backward (dflash.model.flops)
     stages: dict[str, float] = field(default_factory=dict)
 
 
@@ -245,18 +247,18 @@ class DrafterWorker:
         res.stages["gate_wait_s"] = time.perf_counter() - t0
         if reply["op"] == "assign":
             res.takes.append(self._train_take(step, reply["transfers"], res))
-        stats = torch.tensor([res.loss_sum, res.weight_sum, res.tokens, res.anchors, res.n_items, res.real_tokens],
-                             dtype=torch.float64, device=self.reduce_device)
+        stats = torch.tensor([res.loss_sum, res.weight_sum, res.tokens, res.anchors, res.n_items, res.real_tokens,
+                              res.model_flops], dtype=torch.float64, device=self.reduce_device)
         clock = StageClock(self.device, res.stages)
         with clock.stage("optimizer_s"):  # the weight and gradient sums over the drafter ranks, then the step
             dist.all_reduce(stats, group=self.group)
-            loss_sum, weight_sum, tokens, anchors, n_items, real_tokens = (float(x) for x in stats.tolist())
+            loss_sum, weight_sum, tokens, anchors, n_items, real_tokens, model_flops = stats.tolist()
             if n_items == 0:
                 return None
             grad_norm, lr = self._apply_gradients(weight_sum)
         info = {"loss": loss_sum / weight_sum if weight_sum > 0 else math.nan, "lr": lr, "anchors": int(anchors),
                 "tokens": int(real_tokens), "counted_tokens": int(tokens), "grad_norm": grad_norm,
-                "items": int(n_items), "skipped": weight_sum <= 0}
+                "items": int(n_items), "model_flops": model_flops, "skipped": weight_sum <= 0}
         return res, info
 
     def _train_take(self, step: int, transfers: list[dict[str, Any]], res: StepResult) -> dict[str, Any]:
@@ -282,8 +284,11 @@ class DrafterWorker:
             for key, stage in (("transfer_s", "transfer_s"), ("compute_s", "drafter_forward_s"),
                                ("compute_s", "drafter_backward_s")):
                 take[key] += res.stages[stage] - before.get(stage, 0.0)
+            real = int(attention_mask.sum())
+            res.model_flops += train_flops(self.drafter.spec,
+                                           StepCounts(real, out.anchors, out.context_seen, out.tokens))
             take["item_ids"].append(x["item_id"])
-            take["tokens"] += int(attention_mask.sum())
+            take["tokens"] += real
             take["n_seqs"] += int(input_ids.shape[0])
             take["anchors"] += int(out.anchors)
             take["counted_tokens"] += int(out.tokens)
@@ -292,7 +297,7 @@ class DrafterWorker:
             res.tokens += int(out.tokens)
             res.anchors += int(out.anchors)
             res.n_items += 1
-            res.real_tokens += int(attention_mask.sum())
+            res.real_tokens += real
             del out, hidden, input_ids, attention_mask, loss_mask, tensors
             self.transport.release(lease)  # the backward is done: the buffer may take the next item
         res.stages["drafter_compute_s"] = take["compute_s"]  # forward + backward (the take record's compute_s)
