@@ -33,6 +33,8 @@ from dflash.core.config import DflashConfig, QueueConfig
 from dflash.core.errors import ConfigError
 from dflash.core.named_configs import knobs_label
 from dflash.core.records import clean_json
+from dflash.core.signals import EXIT_TERMINATED, Terminated
+from dflash.core.signals import install as install_sigterm
 from tuning.evaluate import ATTR_METRICS, OBJECTIVES, Evaluation, Evaluator, constraint_values
 from tuning.select import (
     NAMED,
@@ -289,8 +291,12 @@ def _worker_main(cfg: DflashConfig, args: SweepArgs, target: int, parent_pid: in
     evaluator it inherited when forked (or builds one when spawned)."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
-    study = open_study(cfg, args)
-    _work(cfg, args, study, evaluator or Evaluator(cfg), target)
+    install_sigterm()  # SIGTERM (from the parent, or a cluster's to every process) is this worker's clean stop
+    try:
+        study = open_study(cfg, args)
+        _work(cfg, args, study, evaluator or Evaluator(cfg), target)
+    except Terminated:  # between two storage writes: the running trial is re-run by the next start
+        raise SystemExit(EXIT_TERMINATED) from None
 
 
 def _start_method() -> str:
@@ -338,14 +344,33 @@ def _run_processes(cfg: DflashConfig, args: SweepArgs, target: int, evaluator: E
         while alive := [p.sentinel for p in procs if p.is_alive()]:
             mp_connection.wait(alive, timeout=0.5)
             bar.update()
-    finally:  # interrupted (Ctrl-C) or failed: the workers go too; their trials are re-run on the next start
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+            if any(p.exitcode == EXIT_TERMINATED for p in procs):  # a worker was told to stop: so is the sweep
+                raise Terminated()
+    finally:  # interrupted (Ctrl-C, SIGTERM) or failed: the workers go too; their trials are re-run on the next start
+        _stop_workers(procs)
     failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if EXIT_TERMINATED in failed:
+        raise Terminated()
     if failed:
         raise RuntimeError(f"{len(failed)} sweep worker(s) failed (exit codes {failed})")
+
+
+WORKER_STOP_S = 10.0  # a worker's clean stop (SIGTERM) takes milliseconds; after this long it is killed
+
+
+def _stop_workers(procs: list[Any]) -> None:
+    """SIGTERM to every live worker (each stops between two storage writes), then SIGKILL to any that
+    has not stopped within WORKER_STOP_S. A second SIGTERM or Ctrl-C here ends the parent at once, and
+    ``die_with_parent`` takes the workers with it."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + WORKER_STOP_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 @contextlib.contextmanager
