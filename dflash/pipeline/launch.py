@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.core.config import DflashConfig
-from dflash.core.signals import STOP_SIGNALS, kept_handlers, sigint_ignored
+from dflash.core.signals import STOP_SIGNALS, Terminated, kept_handlers, sigint_ignored
 from dflash.pipeline.rank import DATA_PLANE_ENV, LAUNCHED_BY_DFLASH, RANKS_DIR, RunSpec, archive_tracebacks, rank_main
 from dflash.pipeline.roles import check_world, choose_plane, data_plane
 
@@ -62,7 +62,8 @@ def launch(spec: RunSpec, nproc_per_node: int | None = None, *, report_stop: boo
     """Run the job; returns the exit status (0, 1 for a failed rank, 2 for bad input found by a rank).
 
     A SIGTERM or SIGINT to this process stops the ranks after their step with a checkpoint, and is 0
-    here (``dflash train``'s contract: the run is resumable); ``report_stop`` prints how to go on."""
+    here (``dflash train``'s contract: the run is resumable) with a line that says how to go on; without
+    ``report_stop`` (a library caller) it raises :class:`~dflash.core.signals.Terminated` or KeyboardInterrupt."""
     n = check_launch(spec.cfg, nproc_per_node)
     ranks_dir = Path(spec.out) / RANKS_DIR
     if under_launcher():  # this process is one rank: clear only its own files of an earlier start
@@ -92,9 +93,9 @@ def launch(spec: RunSpec, nproc_per_node: int | None = None, *, report_stop: boo
         print(f"dflash train: error: {line}", file=sys.stderr)
         return 2 if config_error else 1
     except SignalException as exc:  # SIGTERM/SIGINT to this process: the ranks stop after their step
+        if not report_stop:  # a library caller (dflash.pipeline.trainer.train): it stops the way Ctrl-C stops it
+            raise (Terminated() if exc.sigval == signal.SIGTERM else KeyboardInterrupt()) from None
         if _stopped_cleanly(Path(spec.out)):
-            if not report_stop:  # a library caller (dflash.pipeline.trainer.train) stops on it itself
-                return 0
             print(f"stopped by signal {exc.sigval.name}: every rank stopped after its step with a checkpoint; "
                   f"continue with dflash train --resume {spec.out}")
             return 0
