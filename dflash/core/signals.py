@@ -43,6 +43,46 @@ def install() -> None:
         signal.signal(signal.SIGTERM, _raise_terminated)
 
 
+class DeferredStop:
+    """SIGTERM for a process whose main thread spends time in code an exception must not cut in two.
+
+    A storage client's lock (Optuna's journal file lock renames, then unlinks; an exception between
+    the two made it fail with FileNotFoundError) is not safe against an exception raised at any
+    bytecode. Here the signal is only noted, and :class:`Terminated` is raised inside
+    :meth:`interruptible` sections (pure computation, such as a simulation) or at :meth:`check` points
+    the caller places between storage calls. Installed in place of :func:`install`, in the main thread.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._depth = 0
+
+    def install(self) -> DeferredStop:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.pending = True
+        if self._depth:
+            raise Terminated()
+
+    def check(self) -> None:
+        """Raise :class:`Terminated` here if SIGTERM came while it could not be raised."""
+        if self.pending:
+            raise Terminated()
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A section SIGTERM may cut at any point (raising at its entry if one came before)."""
+        self.check()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+
 def sigint_ignored() -> bool:
     """True when SIGINT was ignored by whoever started us (a background job of a non-interactive shell)."""
     return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
