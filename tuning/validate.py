@@ -430,6 +430,10 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
 
 
 def _kill_held() -> None:
+    """Every held job stopped with a checkpoint: all are told at once, then each is waited for (a
+    scheduler's grace period covers one checkpoint, not one per configuration)."""
+    for job in list(_HELD.values()):
+        job.terminate()
     for job in list(_HELD.values()):
         job.kill()
     _HELD.clear()

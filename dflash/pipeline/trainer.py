@@ -108,6 +108,7 @@ class HeldJob:
                        pg_timeout_s=HOLD_TIMEOUT_S + wait_s, quiet=True)
         (self.out / SPEC_FILE).write_bytes(pickle.dumps(spec))
         self.t_start = time.perf_counter()
+        self._terminated = False
         self._stderr = open(self.out / ".job.stderr", "w")  # noqa: SIM115 - open while the job runs
         self.proc = subprocess.Popen([sys.executable, "-m", "dflash.pipeline.trainer", str(self.out / SPEC_FILE)],
                                      env={**os.environ, HOLD_ENV: "1"}, stdout=subprocess.DEVNULL,
@@ -155,9 +156,16 @@ class HeldJob:
                 raise JobFailed(f"the held job in {self.out} did not end within {timeout:.0f} s") from None
         self._ended()
 
+    def terminate(self) -> None:
+        """SIGTERM, once: the ranks stop after their step with a checkpoint (a second SIGTERM to the
+        launcher would cut its own shutdown short). :meth:`kill` then waits for it."""
+        if self.alive() and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def kill(self) -> None:
         if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(120)
             except subprocess.TimeoutExpired:
