@@ -15,6 +15,7 @@ the run also keeps docs/ARCHITECTURE.md's records, in memory and on disk, whose 
 from __future__ import annotations
 
 import random
+import shutil
 import time
 import uuid
 import weakref
@@ -379,12 +380,34 @@ def predicted_roughness(cfg: DflashConfig, trace: RunTrace) -> dict[str, Any]:
 
 
 def write_records(result: SimResult, out_dir: str | Path, run_id: str, close_t: float) -> None:
-    """The run's records in the shared schema (``source = "sim"``)."""
-    with RecordWriter(out_dir, run_id, "sim") as w:
-        for r in sorted(result.trace.produce_records(), key=lambda r: r["t"]):
-            w.write("produce", **r)
-        for r in result.trace.take_records():
-            w.write("take", **r)
-        for r in result.controls:
-            w.write("control", **r)
-        w.write("summary", t=close_t, **result.summary, schema=SCHEMA_VERSION)
+    """The run's records in the shared schema (``source = "sim"``), all or none of them.
+
+    They are written into a staging directory inside ``out_dir`` and moved into place once whole: a
+    run stopped while writing (Ctrl-C, SIGTERM: tens of thousands of lines take a while) leaves
+    nothing of itself, so a rerun into the same directory adds one complete run, never half of one twice."""
+    out = Path(out_dir)
+    stage = out / f".writing-{run_id}"
+    try:
+        with RecordWriter(stage, run_id, "sim") as w:
+            for r in sorted(result.trace.produce_records(), key=lambda r: r["t"]):
+                w.write("produce", **r)
+            for r in result.trace.take_records():
+                w.write("take", **r)
+            for r in result.controls:
+                w.write("control", **r)
+            w.write("summary", t=close_t, **result.summary, schema=SCHEMA_VERSION)
+        for f in sorted(stage.glob("*.jsonl"), key=lambda f: f.name == "summary.jsonl"):  # the summary last
+            _move_or_append(f, out / f.name)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _move_or_append(src: Path, dst: Path) -> None:
+    """A new file is renamed into place (atomic); an existing one (an earlier run in the same
+    directory) gets the whole run appended in one write."""
+    if not dst.exists():
+        src.replace(dst)
+        return
+    with open(dst, "ab") as f:
+        f.write(src.read_bytes())

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -72,3 +76,52 @@ def load_script(path: Path) -> ModuleType:
     sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+# --------------------------------------------------------------------------- signals (issue #38)
+def sigint_default() -> None:
+    """``preexec_fn`` of every child a test interrupts with SIGINT: SIGINT back at its default in the child.
+
+    A non-interactive shell starts a background job (``python -m pytest -q &``) with SIGINT ignored;
+    the children inherit that, Python then installs no KeyboardInterrupt handler, and a test's Ctrl-C
+    does nothing. With the default restored before ``exec`` the child gets Python's own handler, so such
+    a test means the same however the suite was started (tests/test_signals.py proves it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """True when process ``pid`` has a handler installed for ``signum`` (``SigCgt`` in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (signum - 1) & 1)
+
+
+def wait_until_catching(proc: subprocess.Popen, signum: int = signal.SIGTERM, timeout: float = 120.0) -> None:
+    """Wait until the child has installed its handler (``dflash``'s entry does it first thing), so a
+    test's signal never races the interpreter's start-up, however loaded the machine is."""
+    deadline = time.monotonic() + timeout
+    while not catches(proc.pid, signum):
+        assert proc.poll() is None and time.monotonic() < deadline, f"pid {proc.pid} never caught signal {signum}"
+        time.sleep(0.02)
+
+
+def left_in_session(sid: int, within_s: float = 30.0) -> list[str]:
+    """Processes still alive (not zombies) in session ``sid`` after ``within_s`` seconds: a child started
+    with ``start_new_session=True`` leads its own session, and everything it started stays in it."""
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while True:
+        left = []
+        for p in psutil.process_iter(["pid", "status", "cmdline"]):
+            try:
+                if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:120]}")
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)

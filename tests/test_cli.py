@@ -292,6 +292,36 @@ def test_demo_runs_the_whole_story_on_the_cpu_profile(tmp_path, capsys):
     assert f"dflash train --config {out / 'validation' / 'best.toml'}" in said
 
 
+@pytest.mark.slow
+def test_sigterm_during_the_demos_calibration_run_is_one_line_143_and_stops_its_ranks(tmp_path):
+    """``dflash demo`` stopped the way a cluster stops it (SIGTERM, issue #38) during its calibration
+    run, whose ranks run under torch's launcher in the demo's own process: exit 143, the one line, no
+    traceback, no rank left running, and the run stopped with its ranks' checkpoint."""
+    import signal
+    import time
+
+    from dflash.core.records import read_records
+    from tests.conftest import left_in_session
+
+    out = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "demo", "--out", str(out), "--takes", "6",
+                             "--cal-steps", "400"], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = out / "calibration-run"
+    try:
+        deadline = time.monotonic() + 400
+        while proc.poll() is None and time.monotonic() < deadline and not list(read_records(run, "step")):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        said, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.splitlines()[-1] == "dflash demo: terminated", err
+    assert "Traceback" not in err and "== 3/7 " not in said
+    assert not left_in_session(proc.pid, 30), "a calibration rank outlived the terminated demo"
+    assert [s["stopped_by"] for s in read_records(run, "summary")] == ["signal SIGTERM"]
+
+
 def test_version_and_help(capsys):
     assert main(["--version"]) == 0
     assert dflash.__version__ in capsys.readouterr().out

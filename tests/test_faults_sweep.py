@@ -26,6 +26,7 @@ from optuna.trial import TrialState
 
 from dflash.cli import main
 from dflash.core.config import load_config
+from tests.conftest import left_in_session, sigint_default
 from tuning.study import open_storage
 from tuning.sweep import SweepArgs, join_as_worker, open_study, run_sweep
 
@@ -250,11 +251,45 @@ def test_ctrl_c_stops_parent_and_workers_in_one_line(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "dflash", "sweep", "--config", str(cfg), "--trials", "6", "--study", "s",
            "--workers", "2", "--out", str(out)]
     parent, workers = _start_and_wait_for_two_workers(cmd, str(out / "study.journal"), stdout=subprocess.DEVNULL,
-                                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                                      stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                                      preexec_fn=sigint_default)
     os.killpg(parent.pid, signal.SIGINT)
     _, err = parent.communicate(timeout=30)
     assert parent.returncode == 130 and err == "dflash sweep: interrupted\n", err
     assert _gone(workers, 10), "workers outlived an interrupted parent"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("to", ["parent", "group", pytest.param("parent, then restart", marks=pytest.mark.slow)])
+def test_sigterm_stops_parent_and_workers_in_one_line_and_a_restart_completes_the_exact_count(tmp_path: Path,
+                                                                                             to: str) -> None:
+    """SIGTERM, as a cluster stops a job (issue #38): to the parent alone (``kill PID``, Slurm's
+    ``--signal=B:TERM``), which forwards it to its workers, or to the whole process group (``scancel``,
+    ``kill -TERM -PGID``). Exit 143, the one line, no traceback from anyone, nothing of the sweep left
+    running; the next start finishes the study with exactly the trials asked for, each configuration once
+    (the slow case: after the harder stop, the parent alone, which must forward it)."""
+    cfg = write_cfg(tmp_path, sim_seconds=1200)
+    out = tmp_path / "out"
+    storage = str(out / "study.journal")
+    cmd = [sys.executable, "-m", "dflash", "sweep", "--config", str(cfg), "--trials", "6", "--study", "s",
+           "--workers", "2", "--out", str(out)]
+    parent, workers = _start_and_wait_for_two_workers(cmd, storage, stdout=subprocess.DEVNULL,
+                                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if to.startswith("parent"):
+        parent.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(parent.pid, signal.SIGTERM)
+    _, err = parent.communicate(timeout=60)
+    assert parent.returncode == 143 and err == "dflash sweep: terminated\n", err
+    assert not left_in_session(parent.pid, 10), "sweep processes outlived a terminated parent"
+    if not to.endswith("restart"):
+        return
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    trials = assert_distinct(storage, 6)  # exactly 6 complete, none run twice
+    stopped = [t for t in trials if t.state == TrialState.FAIL]
+    assert stopped and all(t.user_attrs["worker_pid"] in workers for t in stopped)
+    assert {t.number for t in stopped} <= {t.user_attrs.get("requeued_from") for t in trials}
 
 
 def test_no_feasible_configuration_is_exit_2_without_a_selection(tmp_path: Path, capsys: pytest.CaptureFixture

@@ -38,6 +38,7 @@ from dflash.regenerate import (
     run_transformers,
     sidecar_path,
 )
+from tests.conftest import left_in_session, sigint_default
 from tests.tiny_models import tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -515,7 +516,7 @@ def test_ctrl_c_on_the_server_backend_keeps_whole_records(stub, tmp_path):
             "--backend", "server", "--url", stub.url, "--concurrency", "2", "--max-new-tokens", "4"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "dflash", *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None and stub.calls["sleepy four"] == 0:
@@ -529,6 +530,43 @@ def test_ctrl_c_on_the_server_backend_keeps_whole_records(stub, tmp_path):
     assert sorted(r["id"] for r in read_records(out)) == ["a", "b"]
     meta = json.loads(sidecar_path(out).read_text())
     assert meta["runs"][-1]["status"] == "interrupted" and meta["counts"]["records"] == 2
+
+
+def test_sigterm_keeps_whole_records_and_a_rerun_does_the_rest_each_once(stub, tmp_path):
+    """SIGTERM (a cluster's stop, issue #38) while a request is in flight: exit 143, the one line, no
+    traceback, the finished records whole and the sidecar marked interrupted; the same command again
+    asks the server only what was left, once each (the stub counts every question)."""
+    questions = {"a": "quick one", "b": "quick two", "c": "slow-once three", "d": "quick four"}
+    data = chat_data(tmp_path / "d.jsonl", questions)
+    out = tmp_path / "o.jsonl"
+    argv = ["regenerate", "--config", str(write_config(tmp_path / "c.toml", data)), "--out", str(out),
+            "--backend", "server", "--url", stub.url, "--concurrency", "1", "--max-new-tokens", "4"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60  # the third request hangs 1.2 s: the signal comes while it is in flight
+        while time.monotonic() < deadline and proc.poll() is None and stub.calls["slow-once three"] == 0:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert err.splitlines()[-1] == "dflash regenerate: terminated" and "Traceback" not in err, err
+    assert not left_in_session(proc.pid, 10)
+    first = [r["id"] for r in read_records(out)]
+    assert first == ["a", "b"]
+    meta = json.loads(sidecar_path(out).read_text())
+    assert meta["runs"][-1]["status"] == "interrupted" and meta["counts"]["records"] == 2
+    asked = dict(stub.calls)
+
+    assert main(argv) == 0
+    assert sorted(r["id"] for r in read_records(out)) == ["a", "b", "c", "d"]  # no gap, no duplicate
+    meta = json.loads(sidecar_path(out).read_text())
+    assert [r["status"] for r in meta["runs"]] == ["interrupted", "finished"] and meta["counts"]["records"] == 4
+    again = {q: stub.calls[q] - asked.get(q, 0) for q in questions.values()}
+    assert again == {"quick one": 0, "quick two": 0, "slow-once three": 1, "quick four": 1}, again
 
 
 def test_server_backend_without_openai_names_the_extra(tmp_path):

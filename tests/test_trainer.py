@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -216,3 +217,28 @@ def test_quality_every_scores_a_held_out_set_no_item_trains_into_the_step_record
         assert len(h["per_bucket"]) == 3
         assert sum(b["blocks"] for b in h["per_bucket"]) == h["blocks"]
     assert scored[-1][1]["loss"] < scored[0][1]["loss"]  # lr 3e-3 for 8 steps: the held-out loss falls
+
+
+def test_sigterm_to_eval_is_one_line_143_and_writes_nothing(step_run, tmp_path) -> None:
+    """``dflash eval`` stopped the way a cluster stops it (SIGTERM, issue #38): exit 143, the one line, no
+    traceback, no process left, no eval.json written or changed (eval keeps no state: run again, it starts
+    over, as tests/test_resume_and_control.py runs it)."""
+    import signal
+
+    from tests.conftest import left_in_session, wait_until_catching
+
+    run, out = step_run.out, tmp_path / "eval.json"
+    before = (run / "eval.json").read_bytes() if (run / "eval.json").is_file() else None
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "eval", "--drafter", str(run), "--prompts", "40",
+                             "--json", str(out)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        wait_until_catching(proc)
+        time.sleep(1.0)  # loading the target or decoding: either way mid-work
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.splitlines()[-1] == "dflash eval: terminated", err
+    assert "Traceback" not in err and "tau" not in stdout and not left_in_session(proc.pid, 10)
+    assert not out.exists() and ((run / "eval.json").read_bytes() if (run / "eval.json").is_file() else None) == before

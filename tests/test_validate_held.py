@@ -186,3 +186,58 @@ def test_eval_json_scores_the_runs_drafter_on_its_held_out_set(held, tmp_path: P
     assert fresh["tau"] == pytest.approx(last["tau"], rel=1e-4)
     assert fresh["loss"] == pytest.approx(last["loss"], rel=1e-3)
 
+
+
+# --------------------------------------------------------------------------- stopped by SIGTERM (issue #38)
+@pytest.mark.slow
+def test_sigterm_stops_validate_and_its_held_jobs_and_a_rerun_trains_every_step_once(tmp_path: Path,
+                                                                                    run_inputs) -> None:  # noqa: F811
+    """SIGTERM to ``dflash validate`` alone (Slurm's ``--signal=B:TERM``) while b's first block trains and
+    a's job holds: exit 143, the one line, no traceback, no rank or launcher left; the claim table
+    holds nothing running (b's block was given back), and the same command again finishes the
+    validation with every step of each configuration trained once."""
+    import os
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    from dflash.cli import main
+    from tests.conftest import left_in_session
+
+    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, log_every=1000, checkpoint_every=1000, eval_prompts=1,
+                    eval_new_tokens=8)
+    sel = tmp_path / "sel.json"
+    sel.write_text(json.dumps({"configs": ENTRIES}))
+    val = tmp_path / "val"
+    argv = ["validate", "--config", str(cfg), "--selection", str(sel), "--takes", "8", "--block-takes", "4",
+            "--out", str(val)]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", *argv], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and \
+                len(list(read_records(val / "runs" / "b", "take"))) < 2:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.splitlines()[-1] == "dflash validate: terminated", err
+    assert "Traceback" not in err
+    assert not left_in_session(proc.pid, 30), "a held job outlived its terminated driver"
+    with sqlite3.connect(val / "validation.db") as con:  # one job in the table: its namespace is the only one
+        rows = {name: {"status": status, "worker": worker}
+                for name, status, worker in con.execute("select name, status, worker from dflash_validation")}
+    assert "running" not in {r["status"] for r in rows.values()}, rows
+    assert rows["a#0"]["status"] == "done" and rows["b#0"]["status"] == "pending", rows
+
+    assert main(argv) == 0
+    payload = json.loads((val / "validation.json").read_text())
+    assert [(r["block"], r["name"]) for r in payload["block_rows"]] == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    for entry in ENTRIES:
+        steps = [r["step"] for r in read_records(val / "runs" / entry["name"], "step")]
+        assert steps == list(range(8)), (entry["name"], steps)  # resumed (a) or started over (b): each step once

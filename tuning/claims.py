@@ -110,6 +110,14 @@ class ClaimStore:
                                .values(status=status, result=json.dumps(result), heartbeat=time.time())
                                ).rowcount == 1
 
+    def release(self, name: str, worker: str) -> bool:
+        """Give a claim back unfinished (this worker was stopped: Ctrl-C, SIGTERM): ``pending`` again, so a
+        rerun takes it at once instead of after ``stale_s``; False if it was no longer ours and running."""
+        with self.engine.begin() as con:
+            return con.execute(TABLE.update().where(TABLE.c.namespace == self.ns, TABLE.c.name == name,
+                                                    TABLE.c.worker == worker, TABLE.c.status == "running")
+                               .values(status="pending", worker=None, heartbeat=None)).rowcount == 1
+
     def skip_pending(self) -> int:
         """Mark every unit nobody has started as ``skipped`` (the question is answered); how many."""
         with self.engine.begin() as con:

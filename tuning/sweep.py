@@ -33,6 +33,7 @@ from dflash.core.config import DflashConfig, QueueConfig
 from dflash.core.errors import ConfigError
 from dflash.core.named_configs import knobs_label
 from dflash.core.records import clean_json
+from dflash.core.signals import EXIT_TERMINATED, DeferredStop, Terminated, kept_handlers
 from tuning.evaluate import ATTR_METRICS, OBJECTIVES, Evaluation, Evaluator, constraint_values
 from tuning.select import (
     NAMED,
@@ -270,17 +271,45 @@ def named_evaluations(cfg: DflashConfig, study: optuna.Study, evaluator: Callabl
 def _work(cfg: DflashConfig, args: SweepArgs, study: optuna.Study, evaluator: Evaluator, target: int,
           on_done: Callable[[], None] | None = None) -> int:
     """One worker's share: its sampler stream, the reference, trials until the study has ``target``
-    complete, then any named config nobody has evaluated yet."""
-    space = None if args.grid else parse_space(cfg.sweep.space)
-    stream = join_as_worker(study, cfg, args)
-    reference = ensure_reference(cfg, args, study, space, evaluator)
-    done = run_worker(study, args.storage, target, make_propose(cfg, space, args.grid),
-                      make_objective(cfg, evaluator, args.grid, reference), on_done=on_done,
-                      idle=lambda: evaluate_next_named(cfg, args, study, evaluator),
-                      fallback_seed=stream_seed(cfg.seed + 1, stream))
-    while evaluate_next_named(cfg, args, study, evaluator):
-        pass
-    return done
+    complete, then any named config nobody has evaluated yet.
+
+    SIGTERM stops it only where that is safe (:class:`~dflash.core.signals.DeferredStop`): inside a
+    simulation, or between two storage calls, never inside the storage client's lock handling."""
+    with _deferred_stop() as stop:
+        evaluator = _Interruptible(evaluator, stop)  # type: ignore[assignment]
+        space = None if args.grid else parse_space(cfg.sweep.space)
+        stream = join_as_worker(study, cfg, args)
+        reference = ensure_reference(cfg, args, study, space, evaluator)
+
+        def idle() -> bool:
+            stop.check()
+            return evaluate_next_named(cfg, args, study, evaluator)
+
+        done = run_worker(study, args.storage, target, make_propose(cfg, space, args.grid),
+                          make_objective(cfg, evaluator, args.grid, reference), on_done=on_done,
+                          idle=idle, fallback_seed=stream_seed(cfg.seed + 1, stream))
+        while evaluate_next_named(cfg, args, study, evaluator):
+            pass
+        stop.check()
+        return done
+
+
+@contextlib.contextmanager
+def _deferred_stop() -> Iterator[DeferredStop]:
+    """SIGTERM noted and raised where safe for the body; the caller's handler back afterwards."""
+    with kept_handlers(signal.SIGTERM):
+        yield DeferredStop().install()
+
+
+class _Interruptible:
+    """The evaluator, with its simulations the sections SIGTERM may cut (they write nothing)."""
+
+    def __init__(self, evaluator: Evaluator, stop: DeferredStop) -> None:
+        self._evaluator, self._stop = evaluator, stop
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Evaluation:
+        with self._stop.interruptible():
+            return self._evaluator.evaluate(*args, **kwargs)
 
 
 def _worker_main(cfg: DflashConfig, args: SweepArgs, target: int, parent_pid: int,
@@ -289,8 +318,13 @@ def _worker_main(cfg: DflashConfig, args: SweepArgs, target: int, parent_pid: in
     evaluator it inherited when forked (or builds one when spawned)."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
-    study = open_study(cfg, args)
-    _work(cfg, args, study, evaluator or Evaluator(cfg), target)
+    try:  # SIGTERM (from the parent, or a cluster's to every process) is this worker's clean stop (_work)
+        stop = DeferredStop().install()  # not the CLI's handler it was forked with: it raises anywhere
+        study = open_study(cfg, args)
+        stop.check()
+        _work(cfg, args, study, evaluator or Evaluator(cfg), target)
+    except Terminated:  # between two storage writes: the running trial is re-run by the next start
+        raise SystemExit(EXIT_TERMINATED) from None
 
 
 def _start_method() -> str:
@@ -338,14 +372,33 @@ def _run_processes(cfg: DflashConfig, args: SweepArgs, target: int, evaluator: E
         while alive := [p.sentinel for p in procs if p.is_alive()]:
             mp_connection.wait(alive, timeout=0.5)
             bar.update()
-    finally:  # interrupted (Ctrl-C) or failed: the workers go too; their trials are re-run on the next start
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+            if any(p.exitcode == EXIT_TERMINATED for p in procs):  # a worker was told to stop: so is the sweep
+                raise Terminated()
+    finally:  # interrupted (Ctrl-C, SIGTERM) or failed: the workers go too; their trials are re-run on the next start
+        _stop_workers(procs)
     failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if EXIT_TERMINATED in failed:
+        raise Terminated()
     if failed:
         raise RuntimeError(f"{len(failed)} sweep worker(s) failed (exit codes {failed})")
+
+
+WORKER_STOP_S = 10.0  # a worker's clean stop (SIGTERM) takes milliseconds; after this long it is killed
+
+
+def _stop_workers(procs: list[Any]) -> None:
+    """SIGTERM to every live worker (each stops between two storage writes), then SIGKILL to any that
+    has not stopped within WORKER_STOP_S. A second SIGTERM or Ctrl-C here ends the parent at once, and
+    ``die_with_parent`` takes the workers with it."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + WORKER_STOP_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 @contextlib.contextmanager

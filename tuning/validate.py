@@ -404,6 +404,7 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
     looks = max_looks(args.takes, args.block_takes)
     store.register(unit_order(list(entries), looks))
     me = worker_id()
+    unit = None
     try:
         while (unit := _next_unit(store, me)) is not None:
             name, block = split_unit(unit)
@@ -417,12 +418,25 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
             _look_after_round(store, block, looks, progress)
         rows = store.rows()
         _release()  # held jobs end the normal way: their metrics.json and drafter are read below
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the jobs checkpoint first, then the block is given back
+        _kill_held()
+        if unit is not None:
+            store.release(unit, me)  # a rerun runs it again at once (resuming the checkpoint)
+        raise
     finally:
         store.close()
-        for job in list(_HELD.values()):  # an error: stop with a checkpoint (a rerun resumes it)
-            job.kill()
-        _HELD.clear()
+        _kill_held()  # an error: stop with a checkpoint (a rerun resumes it)
     return write_summary(base, calibrated, args, rows, progress)
+
+
+def _kill_held() -> None:
+    """Every held job stopped with a checkpoint: all are told at once, then each is waited for (a
+    scheduler's grace period covers one checkpoint, not one per configuration)."""
+    for job in list(_HELD.values()):
+        job.terminate()
+    for job in list(_HELD.values()):
+        job.kill()
+    _HELD.clear()
 
 
 def block_line(row: dict[str, Any], queue: dict[str, Any], looks: int, done: int, total: int, width: int = 20

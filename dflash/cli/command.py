@@ -34,6 +34,7 @@ from dflash.cli import verbs
 from dflash.cli.options import Opt, Verb, check_pure, config_value, default_base_config
 from dflash.core.config import DflashConfig, with_overrides
 from dflash.core.errors import ConfigError
+from dflash.core.signals import exit_status, stop_word, terminate_raises
 
 PROG = "dflash"
 
@@ -207,8 +208,16 @@ def _prog_from_argv(argv: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one ``dflash`` command; returns the exit status (0 ok, 2 bad input)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one ``dflash`` command; returns the exit status (0 ok, 2 bad input, 130 Ctrl-C, 143 SIGTERM).
+
+    SIGTERM (a cluster's stop: Slurm, Kubernetes, systemd) raises :class:`~dflash.core.signals.Terminated`,
+    a KeyboardInterrupt, so every verb stops on it exactly as it does on Ctrl-C; only the line and the
+    status differ (``dflash VERB: terminated``, 143)."""
+    with terminate_raises():
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     prog, verb_name = PROG, None
     try:
         try:
@@ -235,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         keys = VERBS[verb_name].flag_for_key() if verb_name else {}
         print(error_line(prog, exc, keys), file=sys.stderr)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated): the verb has cleaned up on the way out
+        print(f"{prog}: {stop_word(exc)}", file=sys.stderr)
+        return exit_status(exc)
     return 2

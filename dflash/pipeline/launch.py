@@ -14,15 +14,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 from dflash.core.config import DflashConfig
+from dflash.core.signals import STOP_SIGNALS, Terminated, kept_handlers, sigint_ignored
 from dflash.pipeline.rank import DATA_PLANE_ENV, LAUNCHED_BY_DFLASH, RANKS_DIR, RunSpec, archive_tracebacks, rank_main
 from dflash.pipeline.roles import check_world, choose_plane, data_plane
 
+ELASTIC_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # read by the launcher when it starts the ranks
 _QUIET_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing",
                   "torch.distributed.run")
 
@@ -55,8 +58,12 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def launch(spec: RunSpec, nproc_per_node: int | None = None) -> int:
-    """Run the job; returns the exit status (0, 1 for a failed rank, 2 for bad input found by a rank)."""
+def launch(spec: RunSpec, nproc_per_node: int | None = None, *, report_stop: bool = True) -> int:
+    """Run the job; returns the exit status (0, 1 for a failed rank, 2 for bad input found by a rank).
+
+    A SIGTERM or SIGINT to this process stops the ranks after their step with a checkpoint, and is 0
+    here (``dflash train``'s contract: the run is resumable) with a line that says how to go on; without
+    ``report_stop`` (a library caller) it raises :class:`~dflash.core.signals.Terminated` or KeyboardInterrupt."""
     n = check_launch(spec.cfg, nproc_per_node)
     ranks_dir = Path(spec.out) / RANKS_DIR
     if under_launcher():  # this process is one rank: clear only its own files of an earlier start
@@ -73,17 +80,21 @@ def launch(spec: RunSpec, nproc_per_node: int | None = None) -> int:
 
     _quiet_launcher_logs()
     os.environ[LAUNCHED_BY_DFLASH] = "1"
+    os.environ.setdefault(ELASTIC_SIGNALS_ENV, _signals_to_handle())
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // n)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", run_id=f"dflash-{uuid.uuid4().hex[:8]}", max_restarts=0,
                           monitor_interval=0.1, start_method="spawn")
     try:
-        elastic_launch(config, rank_main)(spec)
+        with kept_handlers(*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT):  # the launcher never restores them
+            elastic_launch(config, rank_main)(spec)
     except ChildFailedError as exc:
         line, config_error = _failure_line(exc, ranks_dir)
         print(f"dflash train: error: {line}", file=sys.stderr)
         return 2 if config_error else 1
     except SignalException as exc:  # SIGTERM/SIGINT to this process: the ranks stop after their step
+        if not report_stop:  # a library caller (dflash.pipeline.trainer.train): it stops the way Ctrl-C stops it
+            raise (Terminated() if exc.sigval == signal.SIGTERM else KeyboardInterrupt()) from None
         if _stopped_cleanly(Path(spec.out)):
             print(f"stopped by signal {exc.sigval.name}: every rank stopped after its step with a checkpoint; "
                   f"continue with dflash train --resume {spec.out}")
@@ -92,6 +103,12 @@ def launch(spec: RunSpec, nproc_per_node: int | None = None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _signals_to_handle() -> str:
+    """What the elastic launcher turns into a clean stop of the ranks: SIGTERM always; SIGINT unless it
+    was ignored when we were started (a background job keeps ignoring it, as POSIX expects)."""
+    return "SIGTERM,SIGHUP,SIGQUIT" if sigint_ignored() else "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 def _quiet_launcher_logs() -> None:
@@ -113,8 +130,6 @@ def _stopped_cleanly(run: Path) -> bool:
 
 def _failure_line(exc: Any, ranks_dir: Path) -> tuple[str, bool]:
     """A rank killed by a signal is the cause (its peers then fail on it); else the earliest rank error."""
-    import signal
-
     for rank, failure in sorted(exc.failures.items()):
         if failure.exitcode < 0 and not (ranks_dir / f"rank-{rank}.error").exists():
             name = signal.Signals(-failure.exitcode).name

@@ -24,6 +24,7 @@ from typing import Any
 
 from dflash.core.config import DflashConfig
 from dflash.core.records import read_records
+from dflash.core.signals import interrupt_for
 
 
 class JobFailed(RuntimeError):
@@ -44,7 +45,9 @@ def train(cfg: DflashConfig, out: str | Path, *, resume: bool = False, quiet: bo
 
     ``resume`` continues the run's newest verified checkpoint, as ``dflash train --resume`` does.
     ``quiet`` keeps the host rank's step lines off stdout. Raises :class:`JobFailed` with the
-    earliest rank's one line (a config error a rank found, or where its traceback is)."""
+    earliest rank's one line (a config error a rank found, or where its traceback is), and
+    :class:`~dflash.core.signals.Terminated` (or KeyboardInterrupt) when a signal stopped the job
+    (its ranks checkpointed): the caller stops the way it would on Ctrl-C."""
     from dflash.pipeline.launch import first_rank_error, launch
     from dflash.pipeline.rank import RANKS_DIR, RunSpec
 
@@ -53,11 +56,13 @@ def train(cfg: DflashConfig, out: str | Path, *, resume: bool = False, quiet: bo
     warm_caches(cfg)
     spec = RunSpec(cfg, str(run), resume=resume, wandb=wandb, wait_s=wait_s, pg_timeout_s=pg_timeout_s,
                    check_transfers=check_transfers, quiet=quiet)
-    code = launch(spec)
+    code = launch(spec, report_stop=False)
     if code != 0:
         line, _config_error = first_rank_error(run / RANKS_DIR)
         raise JobFailed(f"the rank job in {run} failed: {line or f'exit status {code}'}")
     summaries = list(read_records(run, "summary"))
+    if summaries and (stop := interrupt_for(str(summaries[-1].get("stopped_by", "")))) is not None:
+        raise stop  # the job stopped on SIGTERM/Ctrl-C with a checkpoint: so does the caller (dflash demo)
     metrics_path = run / "metrics.json"
     if not summaries or not metrics_path.is_file():
         raise JobFailed(f"the rank job in {run} ended without its summary and metrics.json")
@@ -103,6 +108,7 @@ class HeldJob:
                        pg_timeout_s=HOLD_TIMEOUT_S + wait_s, quiet=True)
         (self.out / SPEC_FILE).write_bytes(pickle.dumps(spec))
         self.t_start = time.perf_counter()
+        self._terminated = False
         self._stderr = open(self.out / ".job.stderr", "w")  # noqa: SIM115 - open while the job runs
         self.proc = subprocess.Popen([sys.executable, "-m", "dflash.pipeline.trainer", str(self.out / SPEC_FILE)],
                                      env={**os.environ, HOLD_ENV: "1"}, stdout=subprocess.DEVNULL,
@@ -150,9 +156,16 @@ class HeldJob:
                 raise JobFailed(f"the held job in {self.out} did not end within {timeout:.0f} s") from None
         self._ended()
 
+    def terminate(self) -> None:
+        """SIGTERM, once: the ranks stop after their step with a checkpoint (a second SIGTERM to the
+        launcher would cut its own shutdown short). :meth:`kill` then waits for it."""
+        if self.alive() and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def kill(self) -> None:
         if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(120)
             except subprocess.TimeoutExpired:

@@ -21,6 +21,7 @@ from typing import Any
 
 from dflash.core.config import DATASET_AUTO, DATASET_PACKAGED, DflashConfig
 from dflash.core.errors import ConfigError
+from dflash.core.signals import Terminated
 from dflash.data.conversations import load_conversations, resolve_dataset
 from dflash.data.regenerated_cache import publish, start_work
 from dflash.regenerate.options import Options, options_from
@@ -46,7 +47,8 @@ class Plan:
 
 
 def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
-    """``dflash regenerate``: plan, open the back end, generate, summarise (0; 130 when interrupted).
+    """``dflash regenerate``: plan, open the back end, generate, summarise (0; 130 when interrupted;
+    SIGTERM raises :class:`~dflash.core.signals.Terminated` once the sidecar says interrupted).
     Without ``--out`` the run writes the target's cache: in its work file, published when finished."""
     opts = options_from(args, cfg)
     source = resume_point(opts)
@@ -67,6 +69,8 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     if status == "finished" and opts.publish_to is not None:
         publish(opts.out, opts.publish_to)
     summarise(opts, plan, progress)
+    if status == "terminated":  # the CLI's one line and 143; the sidecar says interrupted, a rerun resumes
+        raise Terminated()
     if status == "interrupted":
         kept = " (the cache keeps what it held: nothing is published until the run finishes)" if opts.publish_to \
             else ""
@@ -162,13 +166,19 @@ def generate_into(generate: Generate | None, todo: list[Source], output: Output,
     try:
         if generate is not None:
             generate((Job(s) for s in todo), emit, progress)
-    except KeyboardInterrupt:
-        status = "interrupted"
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM (Terminated): what finished is kept, the rest resumes
+        status = "terminated" if isinstance(exc, Terminated) else "interrupted"
     finally:
         output.close()
-        session.write(progress, status=status if sys.exc_info()[0] in (None, KeyboardInterrupt) else "crashed")
+        session.write(progress, status=_sidecar_status(status) if sys.exc_info()[0] in (None, KeyboardInterrupt)
+                      else "crashed")
         progress.maybe_print(force=True)
     return status
+
+
+def _sidecar_status(status: str) -> str:
+    """The sidecar says "interrupted" for any signal's stop (Ctrl-C or SIGTERM): a rerun resumes either."""
+    return "interrupted" if status == "terminated" else status
 
 
 def summarise(opts: Options, plan: Plan, progress: Progress) -> None:
