@@ -110,7 +110,7 @@ def test_the_architecture_table_lists_every_message_with_its_fields() -> None:
     import dataclasses
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "ARCHITECTURE.md").read_text()
+    doc = (Path(__file__).resolve().parent.parent / "docs/ARCHITECTURE.md").read_text()
     for cls in (*m.TO_COORDINATOR, *m.TO_RANK):
         fields = ", ".join(f.name for f in dataclasses.fields(cls))
         assert f"| `{cls.__name__}({fields})` |" in doc, cls.__name__
