@@ -244,13 +244,17 @@ def test_a_hub_id_that_cannot_be_fetched_leaves_no_run_directory(tmp_path: Path)
 
 
 def test_damaged_records_are_counted_and_the_count_printed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from dflash.data.conversations import load_conversations
+    """Loading counts them (and says nothing: a rank re-reading the file stays quiet); the command says the
+    count in one line (say_damaged)."""
+    from dflash.data.conversations import load_conversations, say_damaged
 
     good = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
     p = tmp_path / "d.jsonl"
     p.write_text("\n".join([json.dumps(good), "garbage {", json.dumps({**good, "id": "b"}), '{"id": 3}']) + "\n")
     convs, stats = load_conversations(p, "conversation")
     assert [c.id for c in convs] == ["a", "b"] and stats.broken == 2
+    assert capsys.readouterr().err == ""
+    say_damaged(p, stats)
     err = capsys.readouterr().err
     assert "2 damaged record(s) skipped" in err and err.count("\n") == 1
 
