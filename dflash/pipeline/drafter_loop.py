@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import socket
 import time
 from typing import Any
 
@@ -77,6 +78,7 @@ class DrafterLoop:
                 if self.quality is not None and not skipped and self.quality.due(step):
                     info["heldout"] = self.quality.score(step, wb)
                 rr.channel.send({"op": "done", "step": step, "pid": os.getpid(), "takes": res.takes,
+                                 "host": socket.gethostname(), "device": str(rr.device),
                                  "stages": res.stages, "step_info": info if self.host else None,
                                  "gpu": rr.gpu_samples(), "skipped": skipped})
                 if skipped:

@@ -233,7 +233,8 @@ class CoordinatorService:
         self.produced += 1
         self.producer_blocked_s += blocked_s
         self.records.write("produce", t=info["t_end"], item_id=item_id, worker=info["rank"], rank=info["rank"],
-                           pid=info["pid"], bucket=spec.bucket, n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
+                           pid=info["pid"], host=info.get("host"), device=info.get("device"), bucket=spec.bucket,
+                           n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
                            padded_len=spec.padded_len, t_start=info["t_start"], t_end=info["t_end"],
                            blocked_s=blocked_s, bytes=info["nbytes"], t_put=t, stages=info.get("stages", {}))
 
@@ -306,6 +307,7 @@ class CoordinatorService:
                 assert a is not None and [i.item_id for i in a.items] == take["item_ids"], "take report mismatch"
                 self.mix.add_take(a.bucket, [i.padded_len for i in a.items])
                 self.records.write("take", t=a.t, drafter=d, rank=self.roles.n_target + d, pid=done[d]["pid"],
+                                   host=done[d].get("host"), device=done[d].get("device"),
                                    step=step, item_ids=take["item_ids"], bucket=a.bucket, wait_s=a.wait_s,
                                    depth_before=a.depth_before, bucket_depths=list(a.bucket_depths), gate=a.gate,
                                    rounds=[x.round for x in a.transfers],

@@ -21,6 +21,7 @@ import hashlib
 import math
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -161,7 +162,8 @@ class Producer:
         meta = {"tensors": describe(tensors), "fingerprint": fingerprint(tensors) if self.check else None}
         nbytes = int(tensors[0].numel() * tensors[0].element_size())
         self.ch.send({"op": "ready", "item_id": spec.item_id, "nbytes": nbytes, "meta": meta, "compute_s": compute,
-                      "stages": dict(self.clock.stages), "pid": os.getpid(), "gpu": self.gpu()})
+                      "stages": dict(self.clock.stages), "pid": os.getpid(), "gpu": self.gpu(),
+                      "host": socket.gethostname(), "device": str(self.transport.device)})
         self.status(f"item {spec.item_id} ready; waiting to be admitted")
         return self._reply()
 
