@@ -112,6 +112,8 @@ VERB_CASES = {
     ],
     "eval": [
         (["--prompts", "0"], ["--prompts"]),
+        (["--bench", "gsm9k"], ["--bench", "humaneval"]),
+        (["--max-new-tokens", "0"], ["--max-new-tokens"]),
         (["--drafter", "missing_dir"], ["--drafter"]),
     ],
     "calibrate": [
