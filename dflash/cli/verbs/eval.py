@@ -130,8 +130,9 @@ VERB = Verb("acceptance length of a drafter", check=check, opts=(
         Opt("--prompts", "int", f"held-out prompts to evaluate (>= 1; default {DEFAULT_PROMPTS}); with --bench a "
             "subset of N drawn by the run's seed (default: the whole set)", lo=1, metavar="N"),
         Opt("--bench", "str", "measure on a standard prompt set instead of held-out ShareGPT: humaneval (164 "
-            "prompts, needs pip install 'dflash-tune[bench]'; on a CPU a full pass takes ~14 min per drafter and "
-            "tau sits near its floor there, so take a subset with --prompts), or a JSONL file of prompts "
+            "prompts, needs pip install 'dflash-tune[bench]'; on a CPU 20 prompts took 169 s of CPU for the CPU "
+            "profile's drafter and tau sits near its floor of 1.0 there, so take a subset with --prompts), or a "
+            "JSONL file of prompts "
             "(prompt, turns or messages per line; docs/guide/eval.md)", metavar="SET"),
         Opt("--max-new-tokens", "int", "tokens generated per prompt (>= 1; default the run's "
             "train.eval_new_tokens; z-lab's benchmark uses 2048)", lo=1, metavar="N"),
