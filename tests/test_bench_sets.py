@@ -130,6 +130,7 @@ def test_a_tokenizer_without_a_chat_template_is_one_line(bench_run: dict[str, Pa
                       "--bench", "humaneval", "--prompts", "1"], capsys, "--bench", "chat template")
 
 
+@pytest.mark.slow  # ~2-6 s on the shared 2-core machine: kept out of the default set's budget
 def test_eval_on_a_two_prompt_humaneval_subset_names_the_set_and_its_sampling(
         bench_run: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "he.json"
