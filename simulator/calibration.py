@@ -174,10 +174,9 @@ def format_calibration(data: dict[str, Any]) -> str:
     ]
     if "memory" in fit:
         lines.append(f"queue memory: {fit['memory']['bytes_per_token']:,.0f} bytes per padded token")
-    if "transfer" in fit:
-        tr = fit["transfer"]
-        lines.append(f"hidden-state moves: {tr['s_per_byte'] * 1e9:.3f} ns/byte ({_f(tr['gb_per_s'])} GB/s) "
-                     f"from {tr['n']} timed takes; taken off the drafter's busy time before its fit")
+    for tier, tr in fit.get("transfer", {}).items():
+        lines.append(f"hidden-state moves ({tier} tier): {tr['s_per_byte'] * 1e9:.3f} ns/byte ({_f(tr['gb_per_s'])} "
+                     f"GB/s) from {tr['n']} timed takes; taken off the drafter's busy time before its fit")
     loss = fit.get("loss")
     if loss and "r2" in loss:
         lm = data["loss_model"]

@@ -30,6 +30,7 @@ from scipy.optimize import nnls
 from scipy.stats import f as f_dist
 
 from dflash.core.config import DrafterConfig, TimingConfig
+from dflash.core.links import TIER_KEYS, TIERS
 from simulator.timing import anchors_for
 
 MIN_OBSERVATIONS = 20  # per role, across all runs: fewer cannot separate the terms from the noise
@@ -67,6 +68,7 @@ class DrafterObs:
     seq_prompts: tuple[int, ...] | None = None  # where each sequence's response starts
     transfer_s: float | None = None  # of the busy time, moving the take's hidden states to the drafter
     bytes: float | None = None  # hidden-state bytes the take moved
+    tier: str | None = None  # where its moves ran (dflash.core.links tiers); None: several tiers or unknown
 
 
 @dataclass
@@ -208,19 +210,27 @@ def fit_burst(obs: Sequence[TargetObs], samples_ratio: Sequence[float]) -> dict[
     return out
 
 
-def fit_transfer(obs: Sequence[DrafterObs]) -> dict[str, Any] | None:
-    """Seconds per byte of moving hidden states producer -> drafter, from takes that timed it.
+def fit_transfer(obs: Sequence[DrafterObs]) -> dict[str, dict[str, Any]]:
+    """Seconds per byte of moving hidden states producer -> drafter, per placement tier, from takes
+    that timed it.
 
-    The ratio of sums (total transfer time over total bytes), the rate a drafter sees over a run,
-    as the other terms are scaled; None when no take carries both ``transfer_s`` and ``bytes``.
-    The runs calibrated are one node's, so the rate is the within-node one.
+    Per tier the ratio of sums (total transfer time over total bytes), the rate a drafter sees over a
+    run, as the other terms are scaled. A take counts for the tier all its moves ran in
+    (:func:`simulator.observations.take_tier`): the network tier only from pairs whose records name two
+    hosts, so a rehearsal of several "nodes" on one machine never sets the NIC's rate; a take whose
+    moves spanned tiers counts for none. Empty when no take carries ``transfer_s``, ``bytes`` and a tier.
     """
-    timed = [(o.transfer_s, o.bytes) for o in obs if o.transfer_s is not None and o.bytes]
-    if not timed:
-        return None
-    seconds, nbytes = sum(s for s, _ in timed), sum(b for _, b in timed)
-    rate = seconds / nbytes
-    return {"s_per_byte": rate, "n": len(timed), "bytes": nbytes, "gb_per_s": (1 / rate / 1e9) if rate > 0 else None}
+    out: dict[str, dict[str, Any]] = {}
+    for tier in TIERS:
+        timed = [(o.transfer_s, o.bytes) for o in obs
+                 if o.tier == tier and o.transfer_s is not None and o.bytes]
+        if not timed:
+            continue
+        seconds, nbytes = sum(s for s, _ in timed), sum(b for _, b in timed)
+        rate = seconds / nbytes
+        out[tier] = {"s_per_byte": rate, "n": len(timed), "bytes": nbytes,
+                     "gb_per_s": (1 / rate / 1e9) if rate > 0 else None}
+    return out
 
 
 def without_transfer(obs: Sequence[DrafterObs]) -> list[DrafterObs]:
@@ -236,7 +246,7 @@ def fit_timing(obs: Observations, base: TimingConfig, n_buckets: int, seed: int 
     rng = random.Random(seed)
     target = fit_target(obs.target, n_buckets, rng)
     transfer = fit_transfer(obs.drafter)
-    drafter, rf = fit_drafter(without_transfer(obs.drafter) if transfer else obs.drafter, base, n_buckets, rng)
+    drafter, rf = fit_drafter(without_transfer(obs.drafter), base, n_buckets, rng)  # the simulator adds moves itself
     ratios = _ratios_in_time_order(obs.target, target)  # all of them: the fit kept a sample
     burst = fit_burst(obs.target, ratios)
     target_samples = list(target.samples)
@@ -255,8 +265,9 @@ def fit_timing(obs: Observations, base: TimingConfig, n_buckets: int, seed: int 
         "burst_amplitude": burst["amplitude"], "burst_period_s": burst["period_s"] or base.burst_period_s,
     }
     report: dict[str, Any] = {"target": target.as_json(), "drafter": drafter.as_json(), "burst": burst}
-    if transfer is not None:
-        timing["transfer_intra_s_per_byte"] = transfer["s_per_byte"]
+    for tier, tr in transfer.items():
+        timing[TIER_KEYS[tier]] = tr["s_per_byte"]
+    if transfer:
         report["transfer"] = transfer
     per_token = [o.bytes / (o.n_seqs * o.padded_len) for o in obs.target if o.bytes]
     if per_token:

@@ -34,6 +34,7 @@ from typing import Any
 
 from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
+from dflash.core.links import TIER_DEVICE, TIER_NETWORK, TIER_NODE
 from dflash.core.precision import state_dtype_bytes
 from dflash.core.records import read_records
 from dflash.core.run_config import run_config_or_none
@@ -118,6 +119,7 @@ def _from_run(p: Path, index: int) -> RunData:
         sampler = sampler_for(cfg, table.lengths, table.prompt_lengths)
         obs.capture_layers = cfg.target.capture_layers
         obs.dtype_bytes = state_dtype_bytes(cfg.drafter.devices)
+    senders = {int(r["rank"]): (r.get("host"), r.get("device")) for r in produce if r.get("rank") is not None}
     by_drafter: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in takes:
         by_drafter[int(r["drafter"])].append(r)
@@ -140,12 +142,36 @@ def _from_run(p: Path, index: int) -> RunData:
             obs.drafter.append(DrafterObs(index, d, float(r["t"]), float(busy), int(r.get("tokens") or 0),
                                           int(r["bucket"]), r.get("anchors"), lengths,
                                           cfg.drafter if cfg is not None else None, prompts,
-                                          _number(r.get("transfer_s")), _number(r.get("bytes"))))
+                                          _number(r.get("transfer_s")), _number(r.get("bytes")),
+                                          take_tier(r, senders)))
     n_buckets = sampler.n_buckets if sampler else 1 + max([int(r["bucket"]) for r in takes] or [0])
     mix = sampler.item_mix() if sampler else _observed_mix([int(r["bucket"]) for r in takes], n_buckets)
     make = makeup_from_takes(takes, losses=steps) if steps else []
     run_id = produce[0].get("run_id") if produce else None
     return RunData(p, "run", obs, make, cfg, n_buckets, mix, run_id)
+
+
+def take_tier(take: dict[str, Any], senders: dict[int, tuple[Any, Any]]) -> str | None:
+    """The placement tier (:mod:`dflash.core.links`) every move of a real take ran in, from what the
+    records say of both ends: ``network`` only when they name two hosts; ``device`` when one host and
+    one device; ``node`` when one host and two devices, or when the records name no host or device
+    (records from before they did, or simulated ones: a run on one node, as every run was then). None
+    when the take's moves spanned tiers."""
+    producers = take.get("producers")
+    if not producers:
+        return TIER_NODE if take.get("transfer_s") is not None else None
+    tiers = set()
+    for p in producers:
+        host, device = senders.get(int(p), (None, None))
+        if host is None or take.get("host") is None:
+            tiers.add(TIER_NODE)
+        elif host != take["host"]:
+            tiers.add(TIER_NETWORK)
+        elif device is not None and device == take.get("device"):
+            tiers.add(TIER_DEVICE)
+        else:
+            tiers.add(TIER_NODE)
+    return tiers.pop() if len(tiers) == 1 else None
 
 
 def _observed_mix(buckets: list[int], n: int) -> list[float]:

@@ -28,6 +28,7 @@ import simpy
 
 from dflash.core.autopilot import Autopilot, AutopilotConfig, QueueState
 from dflash.core.config import DflashConfig
+from dflash.core.links import TIERS, pair_tiers, tier_rates, transfer_s_per_byte
 from dflash.core.memory_model import allreduce_seconds, bytes_per_token, fullest_device_bytes
 from dflash.core.queue_core import QueueCore, QueueItem
 from dflash.core.records import SCHEMA_VERSION, RecordWriter
@@ -133,6 +134,7 @@ class _Pipeline:
         self.autopilot = Autopilot(AutopilotConfig.for_run(cfg, self.mix, self.n_target, self.n_drafter)) \
             if cfg.queue.mode == "auto" else None
         self.controls: list[dict[str, Any]] = []
+        self.moved = [0.0, 0]  # seconds and bytes of hidden-state moves, all takes
         self.knobs: list[tuple[float, int, int]] = [(0.0, cfg.queue.min_ready, cfg.queue.max_depth)]
         self.queue = SimHSQueue(env, self.core, self._on_take_callback(), self._on_put_callback())
         stream = sampler.iter_items() if items is None else items
@@ -149,8 +151,9 @@ class _Pipeline:
         """The queue's take hook: the take's work, its compute time (drafter model + hidden-state
         moves from each item's producer), streamed metrics and the record. A closure: it runs per take."""
         env, resident, peaks, drafter_time = self.env, self.resident, self.peaks, self.drafter_time
-        move_s = _transfer_s_per_byte(self.cfg)  # [producer][drafter]
+        move_s = transfer_s_per_byte(self.cfg.cluster, self.cfg.timing)  # [producer][drafter], by placement tier
         moves = any(x for row in move_s for x in row)
+        moved = self.moved  # [seconds, bytes] of every take's moves, for the summary
         stream_take, take_rows, records = self.stream.take, self.trace.take_rows, self.records
         autopilot, core, controls, knobs = self.autopilot, self.core, self.controls, self.knobs
 
@@ -170,6 +173,8 @@ class _Pipeline:
                     move += it.nbytes * move_s[w][ev.index]
             if nbytes > peaks[1]:
                 peaks[1] = nbytes
+            moved[0] += move
+            moved[1] += nbytes
             compute = ev.compute_s = drafter_time(tokens, anchors) + move
             wait = now - ev.t_request
             stream_take(now, ev.index, items, items[0].bucket, wait, compute, tokens, n_seqs, nbytes, depth_before,
@@ -291,6 +296,15 @@ class _Pipeline:
             if self.budget_spent():
                 return
 
+    def transfer_summary(self) -> dict[str, Any]:
+        """The moves priced by placement: pairs per tier, each used tier's rate and where it came from,
+        and the seconds and bytes every take's moves added up to."""
+        tiers = [t for row in pair_tiers(self.cfg.cluster) for t in row]
+        rates = tier_rates(self.cfg.cluster, self.cfg.timing)
+        used = {t: tiers.count(t) for t in TIERS if t in tiers}
+        return {"pairs": used, "rates": {t: rates[t].as_json() for t in used},
+                "seconds": self.moved[0], "bytes": self.moved[1]}
+
     def result(self, close_t: float) -> SimResult:
         """Stop at ``close_t``: queued items and items held at the cap are discarded (counted); steps
         in progress complete. The summary, the metrics and the downsampled series."""
@@ -312,6 +326,7 @@ class _Pipeline:
             "drafter_wait": [(t, close_t) for t in self.waiting.values()],
         }
         summary["open_intervals"] = open_intervals  # in the summary record, so records alone give the metrics
+        summary["transfer"] = self.transfer_summary()
         metrics = stream.finish(close_t, core, open_intervals)
         core.discard_all()
         metrics.update(predicted_roughness(self.cfg, self.trace))
@@ -356,17 +371,6 @@ def _sequence_anchors(cfg: DflashConfig, sampler: Sampler) -> list[int]:
         per_sampler[key] = [anchors_for([n], cfg.timing, cfg.drafter, None if prompts is None else [prompts[k]])
                             for k, n in enumerate(sampler.lengths)]
     return per_sampler[key]
-
-
-def _transfer_s_per_byte(cfg: DflashConfig) -> list[list[float]]:
-    """Seconds per byte from producer ``w`` to drafter ``d``: ranks fill nodes in order, targets
-    first (each target worker on ``gpus_per_target`` GPUs); a move within a node costs the intra
-    rate, across nodes the inter rate."""
-    c, t = cfg.cluster, cfg.timing
-    node = c.gpus_per_node
-    return [[t.transfer_intra_s_per_byte if (w * c.gpus_per_target) // node ==
-             (c.n_target * c.gpus_per_target + d) // node else t.transfer_inter_s_per_byte
-             for d in range(c.n_drafter)] for w in range(c.n_target)]
 
 
 def predicted_roughness(cfg: DflashConfig, trace: RunTrace) -> dict[str, Any]:

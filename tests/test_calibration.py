@@ -249,7 +249,7 @@ def test_calibration_learns_a_per_byte_transfer_cost_from_timed_takes(tmp_path: 
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = calibrate([run], DflashConfig())
     assert data["timing"]["transfer_intra_s_per_byte"] == pytest.approx(rate, rel=1e-9)
-    assert data["fit"]["transfer"]["n"] == len(rows)
+    assert data["fit"]["transfer"]["node"]["n"] == len(rows)  # records without host or device: the node tier
     mean_true = np.mean([KNOWN["drafter_fixed_s"] + KNOWN["drafter_per_token_s"] * r["tokens"]
                          + KNOWN["drafter_per_anchor_s"] * r["anchors"] for r in rows])
     t = data["timing"]

@@ -53,7 +53,7 @@ def test_a_retired_rank_may_leave_while_its_peers_still_talk(hub_and_ranks) -> N
     time.sleep(0.1)
     assert hub.poll(0.05) == []
     done = m.Done(7, 123, (m.TakeReport(("0-1",), 0.5, 0.1, 64, 10, 1, 3, 9),), {"drafter_forward_s": 0.2}, None, [],
-                  False)
+                  False, "node-a", "cpu")
     ranks[0].send(done)
     assert poll_until(hub, 1) == [(0, done)]
     hub.send(0, m.Stop())
@@ -63,7 +63,8 @@ def test_a_retired_rank_may_leave_while_its_peers_still_talk(hub_and_ranks) -> N
 def test_every_message_goes_through_the_wire_and_back_as_itself(hub_and_ranks) -> None:
     hub, ranks = hub_and_ranks
     meta = m.ItemMeta((TensorMeta((1, 8, 4), "torch.float32"),), "ab12")
-    up = [m.NextItem(), m.Ready("0-3", 128, meta, 0.25, {"tokenize_s": 0.01}, 99, [{"power_w": 1.0}]), m.Closed(),
+    up = [m.NextItem(), m.Ready("0-3", 128, meta, 0.25, {"tokenize_s": 0.01}, 99, [{"power_w": 1.0}], "node-a", "cpu"),
+          m.Closed(),
           m.Request(4), m.Bye(summary={"steps": 4}), m.Bye(send_s=0.5, sent_bytes=1024)]
     for msg in up:
         ranks[1].send(msg)

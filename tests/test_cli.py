@@ -42,6 +42,8 @@ CONFIGS = {
     "bad_value.toml": "[queue]\nmin_ready = 0\n",
     "bad_seed.toml": "seed = -2\n",
     "bad_type.toml": "[cluster]\nn_target = \"four\"\n",
+    "bad_link.toml": "[cluster]\nnetwork_link = \"nic800\"\n",
+    "bad_rate.toml": "[timing]\ntransfer_inter_s_per_byte = -1e-9\n",
 }
 
 # (extra args, names the error line must contain)
@@ -82,6 +84,8 @@ VERB_CASES = {
         (["--sim-seconds", "abc"], ["--sim-seconds"]),
         (["--calibration", "missing.json"], ["--calibration"]),
         (["--json", "run"], ["--json"]),
+        (["--config", "bad_link.toml"], ["cluster.network_link", "nic200, nic400"]),
+        (["--config", "bad_rate.toml"], ["timing.transfer_inter_s_per_byte", ">= 0"]),
     ],
     "sweep": [
         (["--out", "sel.json/o"], ["--out", "sel.json"]),
@@ -108,6 +112,8 @@ VERB_CASES = {
     ],
     "eval": [
         (["--prompts", "0"], ["--prompts"]),
+        (["--bench", "gsm9k"], ["--bench", "humaneval"]),
+        (["--max-new-tokens", "0"], ["--max-new-tokens"]),
         (["--drafter", "missing_dir"], ["--drafter"]),
     ],
     "calibrate": [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -70,6 +71,8 @@ def assert_books_balance(run: Path, n_target: int, n_drafter: int, sessions: int
     pids = {r["pid"] for r in produce} | {r["pid"] for r in takes}
     assert len(pids) == sessions * (n_target + n_drafter), pids  # one process per rank (per start)
     assert all(r["bytes"] > 0 and r["transfer_s"] >= 0 for r in takes)
+    here = socket.gethostname()  # where each end ran: calibration prices moves by tier from these
+    assert all(r["host"] == here and r["device"] == "cpu" for r in [*produce, *takes])
     ledger = read_ledger(run)
     assert sorted(i for _, ids in ledger for i in ids) == sorted(taken)  # one writer, every trained item
     return s

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.core.errors import ConfigError
+from dflash.core.links import DEFAULT_LINKS, LINK_KEYS, TIER_DEVICE, TIER_KEYS, TIER_NETWORK, TIER_NODE, links_of
 from dflash.core.schedule import Schedule, schedule_for
 
 POLICIES = ("fullest", "fifo", "random_item", "random_bucket", "proportional")
@@ -174,7 +175,10 @@ class ClusterConfig:
     workers of ``gpus_per_target`` GPUs each, the rest drafters); ``gpus_per_target`` > 1 (a target
     sharded over several GPUs) is simulator-only until the trainer shards targets
     (:meth:`check_trainable`). Ranks fill nodes of ``gpus_per_node`` in order, targets first: that
-    decides which hidden-state moves cross nodes."""
+    decides which hidden-state moves cross nodes. ``shared_device`` puts every rank of a node on the
+    node's one device (the CPU, or a node's one GPU, as the trainer places them there). The three
+    ``*_link`` keys name what a move costs in each tier when ``[timing]`` does not set it
+    (:mod:`dflash.core.links`: same device, same node, across nodes)."""
 
     n_target: int = 4
     n_drafter: int = 4
@@ -182,6 +186,10 @@ class ClusterConfig:
     gpus: int | None = None
     gpus_per_target: int = 1
     gpus_per_node: int = 8
+    shared_device: bool = False
+    device_link: str = DEFAULT_LINKS[TIER_DEVICE]
+    node_link: str = DEFAULT_LINKS[TIER_NODE]
+    network_link: str = DEFAULT_LINKS[TIER_NETWORK]
 
     def __post_init__(self) -> None:
         check_int("cluster.n_target", self.n_target, 1)
@@ -189,6 +197,10 @@ class ClusterConfig:
         check_choice("cluster.drafter_sync", self.drafter_sync, DRAFTER_SYNCS)
         check_int("cluster.gpus_per_target", self.gpus_per_target, 1)
         check_int("cluster.gpus_per_node", self.gpus_per_node, 1)
+        if not isinstance(self.shared_device, bool):
+            raise ConfigError("cluster.shared_device", "must be true or false", self.shared_device)
+        for tier, key in LINK_KEYS.items():
+            check_choice(f"cluster.{key}", getattr(self, key), links_of(tier))
         if self.gpus is not None:
             check_int("cluster.gpus", self.gpus, self.gpus_per_target + 1)
             used = self.n_target * self.gpus_per_target + self.n_drafter
@@ -470,10 +482,12 @@ class TimingConfig:
     burst_period_s: float = 20.0
     hidden_size: int = 4096  # of the target: queue bytes per token = layers x hidden x dtype bytes
     dtype_bytes: int = 2
-    # Moving an item's hidden states producer -> drafter, seconds per byte (0 = free), within a
-    # node and across nodes; ``dflash calibrate`` learns the first from takes with ``transfer_s``.
-    transfer_intra_s_per_byte: float = 0.0
-    transfer_inter_s_per_byte: float = 0.0
+    # Moving an item's hidden states producer -> drafter, seconds per byte, by placement tier: one
+    # device, two devices of one node, two nodes (dflash.core.links). None (the default): the named
+    # [cluster] link's rate; 0 = free, only when set so. ``dflash calibrate`` sets the tiers its runs had.
+    transfer_device_s_per_byte: float | None = None
+    transfer_intra_s_per_byte: float | None = None
+    transfer_inter_s_per_byte: float | None = None
     # Synchronised drafters: the DDP all-reduce of the drafter's gradient (memory.drafter_params x
     # memory.weight_bytes) costs 2 (n - 1) / n x bytes x this per step (ring all-reduce; 0 = free).
     allreduce_s_per_byte: float = 0.0
@@ -505,8 +519,10 @@ class TimingConfig:
         check_float("timing.burst_period_s", self.burst_period_s, 0.0, lo_open=True)
         check_int("timing.hidden_size", self.hidden_size, 1)
         check_int("timing.dtype_bytes", self.dtype_bytes, 1)
-        for key in ("transfer_intra_s_per_byte", "transfer_inter_s_per_byte", "allreduce_s_per_byte"):
-            check_float(f"timing.{key}", getattr(self, key), 0.0)
+        for key in TIER_KEYS.values():
+            if getattr(self, key) is not None:
+                check_float(f"timing.{key}", getattr(self, key), 0.0)
+        check_float("timing.allreduce_s_per_byte", self.allreduce_s_per_byte, 0.0)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,7 +93,7 @@ class DrafterLoop:
                 if self.heldout is not None and not skipped and self.heldout.due(step):
                     info["heldout"] = self.heldout.score(step, wb)
                 ctx.channel.send(Done(step, os.getpid(), tuple(res.takes), res.stages, info if self.host else None,
-                                      ctx.gpu_samples(), skipped))
+                                      ctx.gpu_samples(), skipped, socket.gethostname(), str(ctx.device)))
                 if skipped:
                     continue
                 if self.host:

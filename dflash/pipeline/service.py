@@ -271,7 +271,8 @@ class CoordinatorService:
         self.produced += 1
         self.producer_blocked_s += blocked_s
         self.records.write("produce", t=info.t_end, item_id=item_id, worker=info.rank, rank=info.rank,
-                           pid=info.ready.pid, bucket=spec.bucket, n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
+                           pid=info.ready.pid, host=info.ready.host, device=info.ready.device, bucket=spec.bucket,
+                           n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
                            padded_len=spec.padded_len, t_start=info.t_start, t_end=info.t_end,
                            blocked_s=blocked_s, bytes=info.ready.nbytes, t_put=t, stages=info.ready.stages)
 
@@ -339,6 +340,7 @@ class CoordinatorService:
                                           f"it was not assigned")
                 self.mix.add_take(a.bucket, [i.padded_len for i in a.items])
                 self.records.write("take", t=a.t, drafter=d, rank=self.roles.n_target + d, pid=done[d].pid,
+                                   host=done[d].host, device=done[d].device,
                                    step=step, item_ids=list(take.item_ids), bucket=a.bucket, wait_s=a.wait_s,
                                    depth_before=a.depth_before, bucket_depths=list(a.bucket_depths), gate=a.gate,
                                    rounds=[x.round for x in a.transfers],

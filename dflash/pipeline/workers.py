@@ -21,6 +21,7 @@ import hashlib
 import math
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -177,7 +178,8 @@ class Producer:
             self.held[spec.item_id] = tensors
         meta = ItemMeta(describe(tensors), fingerprint(tensors) if self.check else None)
         nbytes = int(tensors[0].numel() * tensors[0].element_size())
-        self.ch.send(Ready(spec.item_id, nbytes, meta, compute, dict(self.clock.stages), os.getpid(), self.gpu()))
+        self.ch.send(Ready(spec.item_id, nbytes, meta, compute, dict(self.clock.stages), os.getpid(), self.gpu(),
+                           socket.gethostname(), str(self.transport.device)))
         self.status(f"item {spec.item_id} ready; waiting to be admitted")
         return self._reply()
 

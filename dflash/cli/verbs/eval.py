@@ -29,16 +29,23 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     run_cfg = pin_dataset(run_cfg)  # held-out prompts come from the file the run trained on (a changed one: refused)
     target = load_target(run_cfg.target.model, device=run_cfg.target.devices[0])
     drafter = DFlashDrafter.load(drafter_dir, target.model)
-    n = int(args.prompts) if args.prompts is not None else DEFAULT_PROMPTS
-    used = trained_conversation_ids(run_dir, run_cfg)
-    prompts = heldout_prompts(target.tokenizer, n, seed=run_cfg.seed + 1, sample=run_cfg.workload.sample,
-                              skip_ids=used, dataset=run_cfg.workload.dataset)
-    res = evaluate_acceptance(target, drafter, prompts, max_new_tokens=run_cfg.train.eval_new_tokens)
+    max_new = int(args.max_new_tokens) if args.max_new_tokens is not None else run_cfg.train.eval_new_tokens
+    if args.bench is not None:  # a standard prompt set (or the user's file) instead of held-out ShareGPT
+        prompts, bench = bench_prompts(args.bench, args.prompts, run_cfg.seed + 1, target, max_new)
+        what = f"{bench['prompts']} of {bench['size']} {bench['name']} prompts (seed {bench['seed']})"
+    else:
+        n = int(args.prompts) if args.prompts is not None else DEFAULT_PROMPTS
+        used = trained_conversation_ids(run_dir, run_cfg)
+        prompts = heldout_prompts(target.tokenizer, n, seed=run_cfg.seed + 1, sample=run_cfg.workload.sample,
+                                  skip_ids=used, dataset=run_cfg.workload.dataset)
+        bench, what = None, f"{n} held-out prompts ({len(used)} training conversations excluded)"
+    res = evaluate_acceptance(target, drafter, prompts, max_new_tokens=max_new)
+    if bench is not None:
+        res["bench"] = bench
     rates = ", ".join(f"{r:.2f}" for r in res["acceptance_rate_per_position"])
     ci = res.get("tau_ci95") or [float("nan"), float("nan")]
     print(f"tau {res['tau']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] (95%, bootstrap over prompts) over {res['steps']} "
-          f"verification steps, {res['num_prompts']} held-out prompts "
-          f"({len(used)} training conversations excluded); {res['tokens_per_s']:.1f} tokens/s")
+          f"verification steps, {what}; {res['tokens_per_s']:.1f} tokens/s")
     print(f"acceptance rate per block position 1..{res['block_size'] - 1}: {rates}")
     held = heldout_score(run_dir, run_cfg, target, drafter)
     if held is not None:
@@ -50,6 +57,35 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     for out in dict.fromkeys([run_dir / "eval.json", *([Path(args.json)] if args.json else [])]):
         print(f"eval: {atomic_write_text(out, text)}")
     return 0
+
+
+def bench_prompts(spec: str, n: int | None, seed: int, target: object, max_new_tokens: int) -> tuple[list, dict]:
+    """The prompts of ``--bench`` (all, or ``n`` drawn by ``seed``) as token ids under the target's chat
+    template, and what the JSON says of them: the set, its size, the subset and the sampling settings."""
+    import torch
+
+    from dflash.data.bench_sets import load_bench, render_bench
+
+    bench = load_bench(spec)
+    idx, chosen = bench.subset(n, seed)
+    context = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)  # type: ignore[attr-defined]
+    ids = render_bench(target.tokenizer, chosen, context, max_new_tokens)  # type: ignore[attr-defined]
+    info = {"name": bench.name, "source": bench.source, "size": len(bench.prompts), "prompts": len(chosen),
+            "seed": seed if len(chosen) < len(bench.prompts) else None, "indices": idx,
+            "ids": [p.id for p in chosen], "format": bench.format,
+            "sampling": {"decoding": "greedy", "temperature": 0.0, "max_new_tokens": max_new_tokens,
+                         "chat_template": True, "add_generation_prompt": True, "enable_thinking": False,
+                         "stop": "the target's EOS tokens"},
+            "mean_prompt_tokens": sum(map(len, ids)) / len(ids)}
+    return [torch.tensor(i, dtype=torch.long) for i in ids], info
+
+
+def check(args: argparse.Namespace, overrides: dict) -> None:
+    """``--bench``'s set loads (package present, a known name, a non-empty well-formed file) before a model does."""
+    if args.bench is not None:
+        from dflash.data.bench_sets import load_bench
+
+        load_bench(args.bench)
 
 
 def heldout_score(run_dir: Path, cfg: DflashConfig, target: object, drafter: object) -> dict | None:
@@ -86,9 +122,17 @@ def heldout_score(run_dir: Path, cfg: DflashConfig, target: object, drafter: obj
     return {**res, "states": how, "ids": len(desc.get("ids") or [])}
 
 
-VERB = Verb("acceptance length of a drafter", opts=(
+VERB = Verb("acceptance length of a drafter", check=check, opts=(
         Opt("--drafter", "indir", "drafter checkpoint directory", required=True, metavar="DIR"),
-        Opt("--prompts", "int", f"held-out prompts to evaluate (>= 1; default {DEFAULT_PROMPTS})", lo=1, metavar="N"),
+        Opt("--prompts", "int", f"held-out prompts to evaluate (>= 1; default {DEFAULT_PROMPTS}); with --bench a "
+            "subset of N drawn by the run's seed (default: the whole set)", lo=1, metavar="N"),
+        Opt("--bench", "str", "measure on a standard prompt set instead of held-out ShareGPT: humaneval (164 "
+            "prompts, needs pip install 'dflash-tune[bench]'; on a CPU 20 prompts took 169 s of CPU for the CPU "
+            "profile's drafter and tau sits near its floor of 1.0 there, so take a subset with --prompts), or a "
+            "JSONL file of prompts "
+            "(prompt, turns or messages per line; docs/guide/eval.md)", metavar="SET"),
+        Opt("--max-new-tokens", "int", "tokens generated per prompt (>= 1; default the run's "
+            "train.eval_new_tokens; z-lab's benchmark uses 2048)", lo=1, metavar="N"),
         Opt("--json", "outfile", "also write the result here: tau, tau_ci95, per-position acceptance, prompts, "
             "and heldout (the held-out metric) when the run has heldout.json",
             metavar="FILE"),
