@@ -126,7 +126,7 @@ def pipeline(rank: int, n: int, tensors: tuple[torch.Tensor, ...], out: Path, pl
         transport.release(lease)  # as the drafter does after its backward
         take = m.TakeReport((x.item_id,), 0.0, dt, 0, 0, 1, 0, 0)
         ch.send(m.Done(step, os.getpid(), (take,), {}, {"loss": 0.0, "lr": 0.0, "anchors": 0, "tokens": 0}, [],
-                       False))
+                       False, socket.gethostname(), str(transport.device)))
     per_item = (time.perf_counter() - t0) / n
     ch.send(m.Bye(summary={"steps": n}))
     service.join(60)

@@ -93,6 +93,8 @@ class Ready:
     stages: dict[str, float]
     pid: int
     gpu: list[dict[str, Any]]
+    host: str  # the producer's hostname and device, into its produce records (placement-priced calibration)
+    device: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,8 @@ class Done:
     step_info: dict[str, Any] | None
     gpu: list[dict[str, Any]]
     skipped: bool
+    host: str  # the drafter's hostname and device, into its take records (placement-priced calibration)
+    device: str
 
 
 @dataclass(frozen=True, slots=True)
