@@ -224,7 +224,7 @@ def load_causal_lm(model: str, dtype: Any, cache_dir: str | Path | None = None) 
             from transformers import AutoModelForCausalLM
 
             net = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                       local_files_only=True, dtype=dtype)
+                                                       local_files_only=True, **dtype_kwarg(dtype))
         return LoadedModel(net, load_tokenizer(model, root), str(gguf), cache_hit)
     if src.directory is not None:
         check_model_dir(src.directory, model)
@@ -243,7 +243,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 local_files_only=True, dtype=torch.float32)
+                                                 local_files_only=True, **dtype_kwarg(torch.float32))
     # The config still says "quantization: gguf"; the saved weights are plain float32 tensors and a
     # reload must not look for a .gguf file.
     with contextlib.suppress(AttributeError):
@@ -259,4 +259,14 @@ def _load_pretrained(path_or_id: str, dtype: Any, local: bool) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress lines say what is loading
-    return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=local)
+    return AutoModelForCausalLM.from_pretrained(path_or_id, local_files_only=local, **dtype_kwarg(dtype))
+
+
+def dtype_kwarg(dtype: Any) -> dict[str, Any]:
+    """``from_pretrained``'s dtype keyword in this transformers: ``dtype`` from 4.56 (``torch_dtype``
+    is deprecated there), ``torch_dtype`` before. Why both: pyproject allows transformers >= 4.46,
+    and an older cluster stack must load the target, not silently load it in float32."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
