@@ -34,7 +34,35 @@ trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"  # not the checkout: the installed package must be what runs
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 PYTHONPATH=
 D="$VENV/bin/dflash"
-t=$SECONDS; "$D" train --max-steps 5 --out run --wandb disabled >train.log 2>&1 || { tail -20 train.log; exit 1; }
+# the packaged SmolLM2 (its GGUF read by the lowest transformers and gguf) at a smoke size: 200 conversations
+cat > smoke.toml <<'TOML'
+seed = 0
+[workload]
+dataset = "sharegpt"
+sample = "first_exchange"
+max_len = 256
+bucket_bounds = [128, 256]
+seqs_per_item = 2
+max_conversations = 200
+[cluster]
+n_target = 1
+n_drafter = 1
+[queue]
+min_ready = 2
+max_depth = 6
+[target]
+model = "smollm2"
+capture_layers = 3
+[drafter]
+layers = 1
+block_size = 8
+anchors = 16
+[train]
+log_every = 1
+checkpoint_every = 1000000
+TOML
+t=$SECONDS; "$D" train --config smoke.toml --max-steps 5 --out run --wandb disabled >train.log 2>&1 \
+  || { tail -20 train.log; exit 1; }
 echo "lowest_versions: train 5 steps in $((SECONDS - t)) s"
 t=$SECONDS; "$D" simulate --sim-seconds 120 --json sim.json >sim.log 2>&1 || { tail -20 sim.log; exit 1; }
 echo "lowest_versions: simulate in $((SECONDS - t)) s"

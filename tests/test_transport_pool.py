@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,12 @@ def _producer(plane: str, device: str) -> dict:
     for r in range(ROUNDS):
         if r == len(SIZES):
             first_pass = pool_of(transport).allocated
-        posted.append(transport.post_send(payload(r, device), 1, r + 1))
+        item = payload(r, device)
+        alive = weakref.ref(item[0])
+        posted.append(transport.post_send(item, 1, r + 1))
+        del item
+        if r == 0:  # a sharing plane holds only its packed copy: the producer may drop the item (workers.py)
+            original_dropped = alive() is None
         if plane in (DATA_SHM, DATA_IPC) and r == 0:  # the drafter has the item but has not released it yet
             dist.barrier()
             held_until_ack = not posted[0].works[1].is_completed() and transport.send_pool.free == 0
@@ -61,7 +67,8 @@ def _producer(plane: str, device: str) -> dict:
             posted.pop(0).wait()
     for pending in posted:
         pending.wait()
-    return {"held_until_ack": held_until_ack, "new_in_second_pass": pool_of(transport).allocated - first_pass}
+    return {"held_until_ack": held_until_ack, "new_in_second_pass": pool_of(transport).allocated - first_pass,
+            "original_dropped": original_dropped}
 
 
 def _drafter(plane: str, device: str) -> dict:
@@ -162,6 +169,7 @@ def test_a_shared_item_stays_with_its_producer_until_the_drafter_releases_it(pla
     got = planes[DATA_SHM]
     assert "error" not in got, got.get("error")
     assert got["held_until_ack"]
+    assert got["original_dropped"]  # while it waits for the ack, the producer's original item is already freed
 
 
 def test_the_pool_finds_buffers_by_identity_smallest_fit_first() -> None:

@@ -39,6 +39,7 @@ from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 from dflash.core.precision import autocast_on, state_dtype_name
 from dflash.pipeline.channel import Channel, connect
+from dflash.pipeline.hostmem import HostMemory
 from dflash.pipeline.roles import (
     DATA_NCCL,
     FALLBACK,
@@ -219,10 +220,13 @@ class RankRun:
         dist.broadcast_object_list(box, src=self.roles.coordinator_rank)
         self.info = box[0]
         self.channel = connect(self.info["host"], self.info["port"], self.roles.rank, self.spec.wait_s)
+        memory = HostMemory(self.out / RANKS_DIR, self.roles.rank, "target" if self.roles.is_target else "drafter")
+        memory.before()  # the memory model is checked against the loop's own peak (dflash/pipeline/hostmem.py)
         if self.roles.is_target:
             self._run_producer()
         else:
             self._run_drafter()
+        memory.after()
         dist.destroy_process_group()  # only after a clean run: a failure leaves without teardown (rank_main)
         return 0
 

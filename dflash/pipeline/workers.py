@@ -124,7 +124,7 @@ class Producer:
         self.held: dict[str, tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
         self._replies: queue.Queue[dict[str, Any] | BaseException] = queue.Queue()
-        self._sends: queue.Queue[tuple[Any, tuple[torch.Tensor, ...]] | None] = queue.Queue()
+        self._sends: queue.Queue[tuple[Any, int] | None] = queue.Queue()  # (posted send, its bytes)
         self.send_s = 0.0
         self.sent_bytes = 0
         self.errors: list[BaseException] = []
@@ -179,7 +179,10 @@ class Producer:
                 if msg["op"] == "send":  # post this rank's part of the round at once; the sender thread waits
                     with self._lock:
                         tensors = self.held.pop(msg["item_id"])
-                    self._sends.put((self.transport.post_send(tensors, msg["dst"], msg["round"]), tensors))
+                    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                    pending = self.transport.post_send(tensors, msg["dst"], msg["round"])
+                    del tensors  # the send keeps what it still reads (on a sharing plane only the packed copy)
+                    self._sends.put((pending, nbytes))
                     self.status(f"sending item {msg['item_id']} to rank {msg['dst']} in round {msg['round']}")
                 else:
                     self._replies.put(msg)
@@ -194,9 +197,9 @@ class Producer:
         _use_device(self.transport.device)
         try:
             while (got := self._sends.get()) is not None:
-                pending, tensors = got
+                pending, nbytes = got
                 self.send_s += pending.wait()
-                self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+                self.sent_bytes += nbytes
         except BaseException as exc:  # surfaced by run()
             self.errors.append(exc)
             self._replies.put(exc)
