@@ -91,6 +91,7 @@ def plane_only(rank: int, n: int, tensors: tuple[torch.Tensor, ...], plane: str)
 def pipeline(rank: int, n: int, tensors: tuple[torch.Tensor, ...], out: Path, plane: str) -> float:
     from dflash.core.config import DflashConfig, QueueConfig, WorkloadConfig
     from dflash.core.sampler import Sampler
+    from dflash.pipeline import messages as m
     from dflash.pipeline.channel import connect
     from dflash.pipeline.roles import Roles
     from dflash.pipeline.service import CoordinatorService, ResumeState
@@ -117,17 +118,17 @@ def pipeline(rank: int, n: int, tensors: tuple[torch.Tensor, ...], out: Path, pl
         return 0.0
     t0 = time.perf_counter()
     for step in range(n):
-        ch.send({"op": "request", "step": step})
+        ch.send(m.Request(step))
         reply = ch.recv(60)
-        x = reply["transfers"][0]
-        lease, dt = transport.recv(x["meta"]["tensors"], x["src"], x["round"])
+        assert isinstance(reply, m.Assign)
+        x = reply.transfers[0]
+        lease, dt = transport.recv(x.meta.tensors, x.src, x.round)
         transport.release(lease)  # as the drafter does after its backward
-        take = {"item_ids": [x["item_id"]], "compute_s": 0.0, "transfer_s": dt, "bytes": 0, "tokens": 0,
-                "n_seqs": 1, "anchors": 0, "counted_tokens": 0}
-        ch.send({"op": "done", "step": step, "pid": os.getpid(), "takes": [take], "stages": {},
-                 "step_info": {"loss": 0.0, "lr": 0.0, "anchors": 0, "tokens": 0}})
+        take = m.TakeReport((x.item_id,), 0.0, dt, 0, 0, 1, 0, 0)
+        ch.send(m.Done(step, os.getpid(), (take,), {}, {"loss": 0.0, "lr": 0.0, "anchors": 0, "tokens": 0}, [],
+                       False))
     per_item = (time.perf_counter() - t0) / n
-    ch.send({"op": "bye", "summary": {"steps": n}})
+    ch.send(m.Bye(summary={"steps": n}))
     service.join(60)
     dist.barrier()
     return per_item

@@ -77,7 +77,9 @@ def test_the_two_documents_are_in_the_repository() -> None:
     for name in ("ARCHITECTURE.md", "REFERENCE.md"):
         assert (ROOT / "docs" / name).is_file(), name
     assert {"Layering", "Queue semantics", "Records", "Metrics", "The `dflash` command", "The distributed pipeline",
-            "Memory model", "Held-out quality", "Queue autopilot"} <= headings(ROOT / "docs" / "ARCHITECTURE.md")
+            "Memory model", "Held-out quality", "Queue autopilot", "The rank context", "Control messages",
+            "The simulator", "Tuning: the study and the selection", "Reports",
+            "The run directory"} <= headings(ROOT / "docs" / "ARCHITECTURE.md")
 
 
 def test_every_citation_resolves_to_a_file_in_the_repository() -> None:
@@ -95,3 +97,108 @@ def test_every_cited_section_is_a_heading_of_the_cited_document() -> None:
         if doc is not None and c.section is not None and c.section not in headings(doc):
             missing.append(str(c))
     assert missing == []
+
+
+# ---------------------------------------------------------------- the README and the user guide
+# The pages people read to use the tool: every relative link resolves (a file, or a heading of the
+# linked Markdown file for a ``#anchor``), and every ``dflash`` command they show parses through the
+# command's own parser (a verb or flag renamed in the code fails here, not in a reader's terminal).
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+INLINE = re.compile(r"`([^`\n]*\bdflash [a-z][^`\n]*)`")
+ENDS = ("|", "&&", ";", ">", "2>", "#", "||")
+
+
+def guide_pages() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "docs" / "development.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(page: Path) -> list[str]:
+    bad = []
+    name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{name}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in {slug(h) for h in headings(dest)}:
+            bad.append(f"{name}: {target} (no such heading)")
+    return bad
+
+
+def dflash_commands(text: str) -> list[list[str]]:
+    """The ``dflash`` arguments of every command shown: code blocks (continued lines joined) and inline
+    code; ``torchrun ... -m dflash ...``, ``python -m dflash`` and shell lines give only what follows
+    ``dflash``, up to a pipe, a redirection, ``&&``, ``;`` or a comment."""
+    import shlex
+
+    lines = []
+    for block in FENCE.findall(text):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        lines += [line.strip() for line in joined.splitlines()]
+    lines += INLINE.findall(text)
+    lines += [line.strip() for line in re.sub(r"\\\n\s*", " ", text).splitlines() if line.startswith("    ")
+              and "dflash " in line]  # indented code blocks
+    out = []
+    for line in lines:
+        line = line.removeprefix("$ ")
+        try:
+            words = shlex.split(line, comments=False)
+        except ValueError:
+            continue
+        for i, w in enumerate(words):
+            if w == "dflash" and i + 1 < len(words) and re.fullmatch(r"[a-z][a-z-]*", words[i + 1]):
+                args = []
+                for a in words[i + 1:]:
+                    if a in ENDS or a.startswith(("#", ">", "2>")):
+                        break
+                    args.append(a)
+                out.append(args)
+                break
+    return out
+
+
+def test_the_link_and_command_scans_find_what_a_page_shows(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    (tmp_path / "there.md").write_text("# A heading\n")
+    page.write_text("[ok](there.md#a-heading) [gone](missing.md) [bad](there.md#nope) [web](https://x.org)\n"
+                    "```bash\ndflash sweep --trials 4 \\\n    --out s   # comment\n```\n"
+                    "`torchrun --nproc-per-node 2 -m dflash train --n-target 1` and `dflash eval --drafter R | x`\n")
+    assert broken_links(page) == [f"{page}: missing.md (no such file)", f"{page}: there.md#nope (no such heading)"]
+    assert dflash_commands(page.read_text()) == [["sweep", "--trials", "4", "--out", "s"],
+                                                 ["train", "--n-target", "1"], ["eval", "--drafter", "R"]]
+
+
+def test_every_link_of_the_readme_and_the_guide_resolves() -> None:
+    assert [b for p in guide_pages() for b in broken_links(p)] == []
+
+
+def test_every_guide_page_is_linked_from_the_guide_index_and_the_readme_stays_short() -> None:
+    index = (ROOT / "docs" / "guide" / "README.md").read_text()
+    unlinked = [p.name for p in (ROOT / "docs" / "guide").glob("*.md") if p.name != "README.md"
+                and f"({p.name})" not in index]
+    assert unlinked == []
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_every_dflash_command_of_the_readme_and_the_guide_parses_through_the_cli() -> None:
+    from dflash.cli.command import UsageError, build_parser
+
+    parser = build_parser()
+    bad, seen = [], 0
+    for page in guide_pages():
+        for args in dflash_commands(page.read_text()):
+            seen += 1
+            try:
+                parser.parse_args(args)
+            except (UsageError, SystemExit) as exc:
+                bad.append(f"{page.relative_to(ROOT)}: dflash {' '.join(args)}: {exc}")
+    assert bad == []
+    assert seen >= 30  # the scan found the pages' commands

@@ -1,9 +1,11 @@
 """The control plane: length-prefixed pickled messages over TCP sockets, apart from every collective.
 
 The coordinator listens; every rank (the coordinator's own drafter rank too) connects once and says
-who it is. Messages are small dicts (item ids, shapes, counts), never tensors, so they cannot
-interleave with the DDP all-reduces or the point-to-point rounds of the data plane. Every wait has a
-timeout, and a timeout or a closed peer names the rank at the other end.
+who it is (:class:`~dflash.pipeline.messages.Hello`). Messages are the small typed dataclasses of
+:mod:`dflash.pipeline.messages` (item ids, shapes, counts), never tensors, so they cannot interleave
+with the DDP all-reduces or the point-to-point rounds of the data plane. Each end accepts only the
+messages that travel its way; an unknown or malformed one is a ProtocolError naming the sender. Every
+wait has a timeout, and a timeout or a closed peer names the rank at the other end.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+
+from dflash.pipeline.messages import TO_COORDINATOR, TO_RANK, Hello, Message, ProtocolError, decode, encode
 
 _HEADER = struct.Struct("!Q")
 
@@ -27,29 +30,36 @@ class ChannelError(RuntimeError):
 class Channel:
     """One end of a connection. ``send`` is thread-safe; ``recv`` belongs to one reader thread."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, accepts: tuple[type, ...]) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.peer = peer
+        self.accepts = accepts  # the message classes that travel towards this end
         self._send_lock = threading.Lock()
 
-    def send(self, msg: dict[str, Any]) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    def send(self, msg: Message) -> None:
+        data = pickle.dumps(encode(msg), protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             try:
                 self.sock.sendall(_HEADER.pack(len(data)) + data)
             except OSError as exc:
                 raise ChannelError(f"control channel to {self.peer} is closed ({exc})") from exc
 
-    def recv(self, timeout: float | None) -> dict[str, Any]:
-        """The next message; ChannelError after ``timeout`` seconds without one or when the peer is gone."""
+    def recv(self, timeout: float | None) -> Message:
+        """The next message; ChannelError after ``timeout`` seconds without one or when the peer is gone,
+        ProtocolError when it is not a message this end accepts."""
         self.sock.settimeout(timeout)
         try:
             (n,) = _HEADER.unpack(self._exact(_HEADER.size, timeout))
             self.sock.settimeout(None if timeout is None else max(timeout, 30.0))  # the rest is already on its way
-            return pickle.loads(self._exact(n, timeout))
+            data = self._exact(n, timeout)
         except TimeoutError as exc:
             raise ChannelError(f"no control message from {self.peer} within {timeout} s") from exc
+        try:
+            wire = pickle.loads(data)
+        except Exception as exc:  # any unpickling failure is a malformed message
+            raise ProtocolError(f"malformed control message from {self.peer}: {type(exc).__name__}: {exc}") from exc
+        return decode(wire, self.peer, self.accepts)
 
     def _exact(self, n: int, timeout: float | None) -> bytes:
         buf = bytearray()
@@ -87,14 +97,16 @@ class Hub:
                 sock, _ = self.server.accept()
             except TimeoutError:
                 continue
-            ch = Channel(sock, "a rank")
+            ch = Channel(sock, "a rank", TO_COORDINATOR)
             hello = ch.recv(left)
-            rank = int(hello["rank"])
+            if not isinstance(hello, Hello):
+                raise ProtocolError(f"a rank connected and sent {type(hello).__name__} before saying who it is")
+            rank = hello.rank
             ch.peer = f"rank {rank}"
             self.channels[rank] = ch
             self._selector.register(sock, selectors.EVENT_READ, rank)
 
-    def poll(self, timeout: float) -> list[tuple[int, dict[str, Any]]]:
+    def poll(self, timeout: float) -> list[tuple[int, Message]]:
         """Every message that is ready now (waiting up to ``timeout`` for the first)."""
         out = []
         for key, _ in self._selector.select(timeout):
@@ -111,7 +123,7 @@ class Hub:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(self.channels[rank].sock)
 
-    def send(self, rank: int, msg: dict[str, Any]) -> None:
+    def send(self, rank: int, msg: Message) -> None:
         self.channels[rank].send(msg)
 
     def close(self) -> None:
@@ -132,6 +144,6 @@ def connect(host: str, port: int, rank: int, timeout: float) -> Channel:
             if time.monotonic() >= deadline:
                 raise ChannelError(f"rank {rank} could not reach the coordinator at {host}:{port} ({exc})") from exc
             time.sleep(0.05)
-    ch = Channel(sock, "the coordinator")
-    ch.send({"rank": rank})
+    ch = Channel(sock, "the coordinator", TO_RANK)
+    ch.send(Hello(rank))
     return ch

@@ -30,7 +30,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 from dflash.core.precision import autocast_on, state_dtype_name
 from dflash.pipeline.channel import Channel, connect
+from dflash.pipeline.context import Corpus, DrafterContext, RankContext, Signals, Start, StopRule
 from dflash.pipeline.hostmem import HostMemory
 from dflash.pipeline.roles import (
     DATA_NCCL,
@@ -52,17 +53,10 @@ from dflash.pipeline.roles import (
 )
 from dflash.pipeline.stageclock import StageClock
 from dflash.pipeline.transport import make_transport, probe_sharing
-from dflash.pipeline.workers import (
-    STOP_MAX_MINUTES,
-    STOP_MAX_STEPS,
-    STOP_NAMES,
-    STOP_NONE,
-    STOP_SIGNAL,
-    DrafterWorker,
-    Producer,
-    Status,
-    capture_item,
-)
+from dflash.pipeline.workers import DrafterWorker, Producer, Status, capture_item
+
+if TYPE_CHECKING:
+    from dflash.pipeline.service import CoordinatorService
 
 RANKS_DIR = ".ranks"
 NVML_INTERVAL_S = 1.0  # power, clocks and utilisation of each rank's GPU, sampled this often
@@ -119,7 +113,7 @@ def rank_main(spec: RunSpec) -> int:
             time.sleep(FAILED_RANK_GRACE_S)
         os._exit(2 if isinstance(exc, ConfigError) else 1)
     status.flush()
-    if rr.signal is not None:  # the launcher is shutting down and waits for this process: leave now
+    if rr.signals.name is not None:  # the launcher is shutting down and waits for this process: leave now
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -180,14 +174,14 @@ def _die_with_parent() -> None:
 
 
 class RankRun:
-    """One rank's run, step by step."""
+    """One rank's set-up, step by step; the loops it then runs read a frozen context (dflash.pipeline.context)."""
 
     def __init__(self, spec: RunSpec, roles: Roles, status: Status) -> None:
         self.spec, self.cfg, self.roles, self.status = spec, spec.cfg, roles, status
         self.out = Path(spec.out)
-        self.signal: str | None = None
+        self.signals = Signals()
         self._gpus: Any = None
-        self.new_phase: dict[str, Any] | None = None  # a learning-rate phase opened at resume (an extension)
+        self.service: CoordinatorService | None = None  # the host rank's coordinator, set by _host_setup
         self.progress = (lambda _m: None) if spec.quiet or not roles.is_coordinator else \
             (lambda m: print(m, flush=True))
 
@@ -220,6 +214,10 @@ class RankRun:
         dist.broadcast_object_list(box, src=self.roles.coordinator_rank)
         self.info = box[0]
         self.channel = connect(self.info["host"], self.info["port"], self.roles.rank, self.spec.wait_s)
+        self.ctx = RankContext(self.cfg, self.roles, self.out, self.device, self.plane, self.channel, self.status,
+                               self.progress, self.spec.wait_s, StopRule(self.cfg.train, self.roles.is_coordinator,
+                                                                         self.signals), self.gpu_samples)
+        self.corpus = Corpus(self.target, self.data, self.sampler, tuple(self.layer_ids))
         memory = HostMemory(self.out / RANKS_DIR, self.roles.rank, "target" if self.roles.is_target else "drafter")
         memory.before()  # the memory model is checked against the loop's own peak (dflash/pipeline/hostmem.py)
         if self.roles.is_target:
@@ -300,7 +298,7 @@ class RankRun:
 
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: Any) -> None:
-            self.signal = f"signal {signal.Signals(signum).name}"
+            self.signals.name = f"signal {signal.Signals(signum).name}"
 
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -310,7 +308,8 @@ class RankRun:
     def _run_producer(self) -> None:
         from dflash.pipeline.quality import prepare_on_target
 
-        prepare_on_target(self)  # train.quality_every: the held-out set's states, once, before producing
+        # train.quality_every: the held-out set's states, once, before producing
+        prepare_on_target(self.ctx, self.corpus, self.capture, self.state_dtype)
         transport = make_transport(self.plane, self.device)
         clock = StageClock(self.device)
 
@@ -325,11 +324,12 @@ class RankRun:
     def _run_drafter(self) -> None:
         from dflash.pipeline.drafter_loop import DrafterLoop
 
+        new_phase = None  # a learning-rate phase opened at resume (an extended run)
         if self.info["checkpoint"]:
             state = torch.load(Path(self.info["checkpoint"]) / "state.pt", weights_only=False, map_location="cpu")
             self.drafter.load_state_dict(state["drafter"])
             self.optimizer.load_state_dict(state["optimizer"])
-            self.new_phase = self.scheduler.load_state_dict(
+            new_phase = self.scheduler.load_state_dict(
                 state["scheduler"], step=int(self.info["start_step"]), elapsed_s=float(state.get("elapsed_s", 0.0)),
                 train=self.cfg.train)
         worker = DrafterWorker(self.channel, make_transport(self.plane, self.device), self.drafter, self.optimizer,
@@ -337,7 +337,9 @@ class RankRun:
                                device=self.device, seed=self.cfg.seed, grad_clip=self.cfg.train.grad_clip,
                                autocast=self.autocast, wait_s=self.spec.wait_s, check=self.spec.check_transfers,
                                status=self.status, verify_ids=self._verify_ids if self.spec.check_transfers else None)
-        DrafterLoop(self, worker).run()
+        start = Start(int(self.info["start_step"]), str(self.info["run_id"]), self.info["checkpoint"])
+        DrafterLoop(DrafterContext(self.ctx, self.corpus, self.drafter, self.optimizer, self.scheduler, start,
+                                   self.spec.wandb, new_phase, self.service), worker).run()
 
     def _verify_ids(self, item_id: str, tensors: tuple[torch.Tensor, ...]) -> None:
         """The received tokens must be the tokens this rank forms from the item's id."""
@@ -348,22 +350,6 @@ class RankRun:
         input_ids, _, _ = collate([self.data.encode(i) for i in spec.seq_indices], pad if pad is not None else 0)
         if not torch.equal(input_ids, tensors[1].cpu()):
             raise RuntimeError(f"item {item_id}: the received tokens are not the item's tokens (swapped transfer)")
-
-    def local_stop(self, step: int, elapsed_s: float) -> int:
-        """This rank's view: a signal, the step limit, or (the host's clock) the training-time budget."""
-        cfg = self.cfg.train
-        if self.signal is not None:
-            return STOP_SIGNAL
-        if cfg.max_steps is not None and step >= cfg.max_steps:
-            return STOP_MAX_STEPS
-        if cfg.max_minutes and self.roles.is_coordinator and elapsed_s >= cfg.max_minutes * 60:
-            return STOP_MAX_MINUTES
-        return STOP_NONE
-
-    def stop_name(self, code: int) -> str:
-        name = STOP_NAMES[code]
-        return self.signal or "signal" if name == "signal" else name
-
 
 def _reachable_address() -> str:
     """The address other ranks reach this host by: the interface that routes to MASTER_ADDR."""

@@ -25,6 +25,7 @@ from dflash.core.errors import ConfigError
 from dflash.core.queue_core import QueueItem
 from dflash.core.records import RecordWriter
 from dflash.core.sampler import Sampler
+from dflash.pipeline import messages as m
 from dflash.pipeline.channel import Hub
 from dflash.pipeline.checkpoint import ControlWatch, ItemFeed, rejected_change
 from dflash.pipeline.coordinator import Admit, Assignment, Coordinator, NoWork
@@ -45,6 +46,19 @@ class ResumeState:
     control_serial: int = 0
     queue_config: dict[str, Any] | None = None  # the queue as it was at the checkpoint (live changes kept)
     autopilot: dict[str, Any] | None = None  # the queue autopilot's state ([queue] mode = "auto")
+
+
+_PUTS = (m.NextItem, m.Ready, m.Closed)  # a poll's producer messages go first: puts before takes
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReadyItem:
+    """A ready report and when it was computed, kept until the item is put (its produce record)."""
+
+    ready: m.Ready
+    rank: int
+    t_start: float
+    t_end: float
 
 
 class RankTelemetry:
@@ -105,10 +119,10 @@ class CoordinatorService:
         self.ledger = Ledger(out)
         self._t0 = time.monotonic() - resume.t
         self._lock = threading.Condition()
-        self._items: dict[str, dict[str, Any]] = {}  # ready report of each queued/blocked item
+        self._items: dict[str, _ReadyItem] = {}  # ready report of each queued/blocked item
         self._assigned: dict[int, Assignment] = {}  # drafter -> its take of the current step
-        self._done: dict[int, dict[int, dict[str, Any]]] = {}  # step -> drafter -> its done report
-        self._byes: dict[int, dict[str, Any]] = {}
+        self._done: dict[int, dict[int, m.Done]] = {}  # step -> drafter -> its done report
+        self._byes: dict[int, m.Bye] = {}
         self._closed_producers: set[int] = set()
         self.produced = 0  # items put into the queue in this session
         self.trained = 0
@@ -182,11 +196,11 @@ class CoordinatorService:
             self.hub.close()
 
     # ------------------------------------------------------------------ messages
-    def _handle(self, msgs: list[tuple[int, dict[str, Any]]]) -> None:
+    def _handle(self, msgs: list[tuple[int, m.Message]]) -> None:
         t = self.now()
         # puts before takes: every ready report and close of this poll first, in producer order
-        for rank, msg in sorted(msgs, key=lambda m: (m[1]["op"] not in ("next", "ready", "closed"), m[0])):
-            getattr(self, f"_on_{msg['op']}")(rank, msg, t)
+        for rank, msg in sorted(msgs, key=lambda rm: (not isinstance(rm[1], _PUTS), rm[0])):
+            self._on(rank, msg, t)
         if t - self._last_control_poll >= CONTROL_POLL_S:
             self._last_control_poll = t
             self._apply_control(step=None)
@@ -194,8 +208,26 @@ class CoordinatorService:
         if self.coord.controls:
             self._write_decisions()
 
-    def _on_next(self, rank: int, msg: dict[str, Any], t: float) -> None:
-        self._admit_next(rank)
+    def _on(self, rank: int, msg: m.Message, t: float) -> None:
+        """One message from ``rank``, by its class; a message from a rank of the wrong role is an error."""
+        producer = rank in self.roles.target_ranks
+        match msg:
+            case m.NextItem() if producer:
+                self._admit_next(rank)
+            case m.Ready() if producer:
+                self._on_ready(rank, msg, t)
+            case m.Closed() if producer:
+                self._closed_producers.add(rank)
+                self.coord.producer_closed(rank)
+            case m.Request(step=step) if not producer:
+                self.coord.request(rank - self.roles.n_target, step, t)
+            case m.Done() if not producer:
+                self._on_done(rank, msg, t)
+            case m.Bye():
+                self._on_bye(rank, msg, t)
+            case _:
+                role = "producer" if producer else "drafter"
+                raise m.ProtocolError(f"rank {rank} ({role}) sent {type(msg).__name__}, which a {role} never sends")
 
     def _admit_next(self, rank: int) -> None:
         """The producer may compute its next item; while the job holds between blocks it waits instead."""
@@ -205,7 +237,7 @@ class CoordinatorService:
         nxt = self._next_id()
         if nxt is not None:
             self._computing.add(rank)
-        self.hub.send(rank, {"op": "admit", "next": nxt})
+        self.hub.send(rank, m.Admit(nxt))
 
     def _next_id(self) -> str | None:
         if self.coord.stopped:
@@ -213,15 +245,15 @@ class CoordinatorService:
         spec = self.feed.next()
         return None if spec is None else spec.item_id
 
-    def _on_ready(self, rank: int, msg: dict[str, Any], t: float) -> None:
+    def _on_ready(self, rank: int, msg: m.Ready, t: float) -> None:
         self._computing.discard(rank)
-        spec = self.sampler.item(msg["item_id"])
-        item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len, msg["nbytes"],
-                         payload=msg["meta"])
-        self._items[spec.item_id] = {**msg, "t_end": t, "t_start": t - msg["compute_s"], "rank": rank}
-        self.telemetry.add(rank, {"target_forward_s": msg["compute_s"], **msg.get("stages", {})}, msg.get("gpu"))
+        spec = self.sampler.item(msg.item_id)
+        item = QueueItem(spec.item_id, spec.bucket, spec.n_seqs, spec.real_tokens, spec.padded_len, msg.nbytes,
+                         payload=msg.meta)
+        self._items[spec.item_id] = _ReadyItem(msg, rank, t - msg.compute_s, t)
+        self.telemetry.add(rank, {"target_forward_s": msg.compute_s, **msg.stages}, msg.gpu)
         if self.coord.stopped:
-            self.hub.send(rank, {"op": "stop"})
+            self.hub.send(rank, m.Stop())
             return
         if self.coord.ready(rank, item, t):
             self._produced(spec.item_id, t, 0.0)
@@ -232,39 +264,32 @@ class CoordinatorService:
         spec = self.sampler.item(item_id)
         self.produced += 1
         self.producer_blocked_s += blocked_s
-        self.records.write("produce", t=info["t_end"], item_id=item_id, worker=info["rank"], rank=info["rank"],
-                           pid=info["pid"], bucket=spec.bucket, n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
-                           padded_len=spec.padded_len, t_start=info["t_start"], t_end=info["t_end"],
-                           blocked_s=blocked_s, bytes=info["nbytes"], t_put=t, stages=info.get("stages", {}))
+        self.records.write("produce", t=info.t_end, item_id=item_id, worker=info.rank, rank=info.rank,
+                           pid=info.ready.pid, bucket=spec.bucket, n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
+                           padded_len=spec.padded_len, t_start=info.t_start, t_end=info.t_end,
+                           blocked_s=blocked_s, bytes=info.ready.nbytes, t_put=t, stages=info.ready.stages)
 
-    def _on_closed(self, rank: int, msg: dict[str, Any], t: float) -> None:
-        self._closed_producers.add(rank)
-        self.coord.producer_closed(rank)
-
-    def _on_request(self, rank: int, msg: dict[str, Any], t: float) -> None:
-        self.coord.request(rank - self.roles.n_target, msg["step"], t)
-
-    def _on_done(self, rank: int, msg: dict[str, Any], t: float) -> None:
-        step, d = msg["step"], rank - self.roles.n_target
+    def _on_done(self, rank: int, msg: m.Done, t: float) -> None:
+        step, d = msg.step, rank - self.roles.n_target
         self._done.setdefault(step, {})[d] = msg
         if len(self._done[step]) == self.roles.n_drafter:
             done = self._done.pop(step)
-            if all(m.get("skipped") for m in done.values()):
+            if all(x.skipped for x in done.values()):
                 self._skip(done)
             else:
                 self._commit(step, done, t)
 
-    def _skip(self, done: dict[int, dict[str, Any]]) -> None:
+    def _skip(self, done: dict[int, m.Done]) -> None:
         """A step whose takes held no anchor: its items are done (counted ``skipped_no_anchors``), not
         trained; no ledger step, no records. The drafters take for the same step number again."""
-        ids = [i for d in sorted(done) for take in done[d]["takes"] for i in take["item_ids"]]
+        ids = [i for d in sorted(done) for take in done[d].takes for i in take.item_ids]
         self.feed.trained(ids)
         self.skipped += len(ids)
         self.coord.core.counters.trained += len(ids)  # done with, for the queue's accounting
         for d in done:
             self._assigned.pop(d, None)
 
-    def _on_bye(self, rank: int, msg: dict[str, Any], t: float) -> None:
+    def _on_bye(self, rank: int, msg: m.Bye, t: float) -> None:
         """Drafters say bye after their last step (the host rank after its final checkpoint), producers after stop."""
         self._byes[rank] = msg
         self.hub.retire(rank)  # it may exit now; its closed channel is not a failure
@@ -282,48 +307,50 @@ class CoordinatorService:
             elif isinstance(a, Assignment):
                 self._assign(a)
             elif isinstance(a, NoWork):
-                self.hub.send(self.roles.n_target + a.drafter, {"op": "nowork", "step": a.step})
+                self.hub.send(self.roles.n_target + a.drafter, m.NoWork(a.step))
 
     def _assign(self, a: Assignment) -> None:
         drafter_rank = self.roles.n_target + a.drafter
         self._assigned[a.drafter] = a
         self.drafter_wait_s += a.wait_s
         for x in a.transfers:  # the producer's part of each round first: it posts its send at once
-            self.hub.send(x.producer, {"op": "send", "round": x.round, "item_id": x.item_id, "dst": drafter_rank})
-        self.hub.send(drafter_rank, {"op": "assign", "step": a.step, "transfers": [
-            {"round": x.round, "item_id": x.item_id, "src": x.producer, "meta": x.meta} for x in a.transfers]})
+            self.hub.send(x.producer, m.Send(x.round, x.item_id, drafter_rank))
+        self.hub.send(drafter_rank, m.Assign(a.step, tuple(m.Incoming(x.round, x.item_id, x.producer, x.meta)
+                                                           for x in a.transfers)))
 
-    def _commit(self, step: int, done: dict[int, dict[str, Any]], t: float) -> None:
+    def _commit(self, step: int, done: dict[int, m.Done], t: float) -> None:
         """Every drafter finished ``step``: ledger first, then take records in drafter order, then the step."""
-        ids = [i for d in sorted(done) for take in done[d]["takes"] for i in take["item_ids"]]
+        ids = [i for d in sorted(done) for take in done[d].takes for i in take.item_ids]
         self.ledger.commit(step, ids)
         self.feed.trained(ids)
         self.trained += len(ids)
         self.coord.core.counters.trained += len(ids)
         for d in sorted(done):
             a = self._assigned.pop(d, None)
-            for take in done[d]["takes"]:
-                assert a is not None and [i.item_id for i in a.items] == take["item_ids"], "take report mismatch"
+            for take in done[d].takes:
+                if a is None or tuple(i.item_id for i in a.items) != take.item_ids:
+                    raise m.ProtocolError(f"rank {self.roles.n_target + d} reported a take of {list(take.item_ids)} "
+                                          f"it was not assigned")
                 self.mix.add_take(a.bucket, [i.padded_len for i in a.items])
-                self.records.write("take", t=a.t, drafter=d, rank=self.roles.n_target + d, pid=done[d]["pid"],
-                                   step=step, item_ids=take["item_ids"], bucket=a.bucket, wait_s=a.wait_s,
+                self.records.write("take", t=a.t, drafter=d, rank=self.roles.n_target + d, pid=done[d].pid,
+                                   step=step, item_ids=list(take.item_ids), bucket=a.bucket, wait_s=a.wait_s,
                                    depth_before=a.depth_before, bucket_depths=list(a.bucket_depths), gate=a.gate,
                                    rounds=[x.round for x in a.transfers],
-                                   producers=[x.producer for x in a.transfers],
-                                   **{k: take[k] for k in ("compute_s", "transfer_s", "bytes", "tokens", "n_seqs",
-                                                           "anchors", "counted_tokens")})
-        info = done[0]["step_info"]
-        per_rank = {str(self.roles.n_target + d): done[d]["stages"] for d in sorted(done)}
+                                   producers=[x.producer for x in a.transfers], **take.record_fields())
+        info = done[0].step_info
+        if info is None:
+            raise m.ProtocolError(f"rank {self.roles.coordinator_rank} (the host drafter) sent Done without step_info")
+        per_rank = {str(self.roles.n_target + d): done[d].stages for d in sorted(done)}
         for d in sorted(done):
-            self.telemetry.add(self.roles.n_target + d, done[d]["stages"], done[d].get("gpu"))
+            self.telemetry.add(self.roles.n_target + d, done[d].stages, done[d].gpu)
         telemetry = None
         if (step + 1) % self.cfg.train.log_every == 0:
             telemetry = self.last_telemetry = self.telemetry.interval()
-        self.records.write("step", t=t, step=step, **info, stages=done[0]["stages"], rank_stages=per_rank,
+        self.records.write("step", t=t, step=step, **info, stages=done[0].stages, rank_stages=per_rank,
                            queue=self.coord.state(), telemetry=telemetry)
         self._apply_control(step=step + 1)
 
-    def _stop(self, t: float, host_bye: dict[str, Any]) -> None:
+    def _stop(self, t: float, host_bye: m.Bye) -> None:
         self.close_t = t
         for _w, b in sorted(self.coord.blocked.items()):  # held at the cap: produced, and discarded below
             self._produced(b.item.item_id, t, t - b.t)
@@ -331,7 +358,7 @@ class CoordinatorService:
         self._dispatch(actions, t)
         self.discarded = [i.item_id for i in discarded]
         for p in self.roles.target_ranks:
-            self.hub.send(p, {"op": "stop"})
+            self.hub.send(p, m.Stop())
         c = self.coord.core.counters
         produced = self.produced
         skipped = self.before.get("skipped_no_anchors", 0) + self.skipped
@@ -339,7 +366,7 @@ class CoordinatorService:
                    "trained": self.before["trained"] + self.trained,
                    "skipped_no_anchors": skipped, "discarded_at_stop": len(self.discarded),
                    "discarded_ids": list(self.discarded),
-                   "replayed": self.before.get("replayed", 0) + self.feed.replayed, **host_bye.get("summary", {}),
+                   "replayed": self.before.get("replayed", 0) + self.feed.replayed, **(host_bye.summary or {}),
                    "queue_stats": {"takes": c.takes, "max_depth_seen": c.max_depth_seen,
                                    "peak_queued_bytes": c.peak_queued_bytes,
                                    "max_item_age_s": list(c.per_bucket_max_age_s),

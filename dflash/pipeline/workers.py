@@ -32,8 +32,24 @@ import torch.distributed as dist
 
 from dflash.core.sampler import ItemSpec
 from dflash.pipeline.channel import Channel, ChannelError
+from dflash.pipeline.messages import (
+    Admit,
+    Assign,
+    Bye,
+    Closed,
+    Incoming,
+    ItemMeta,
+    NextItem,
+    NoWork,
+    ProtocolError,
+    Ready,
+    Request,
+    Send,
+    Stop,
+    TakeReport,
+)
 from dflash.pipeline.stageclock import StageClock, synchronize
-from dflash.pipeline.transport import TensorMeta, Transport, describe, fingerprint
+from dflash.pipeline.transport import Transport, describe, fingerprint
 
 # Stop reasons agreed by the drafter ranks (all-reduce MAX: the highest code wins).
 STOP_NONE, STOP_MAX_STEPS, STOP_MAX_MINUTES, STOP_SIGNAL = 0, 1, 2, 3
@@ -123,7 +139,7 @@ class Producer:
         self.check, self.status = check, status
         self.held: dict[str, tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
-        self._replies: queue.Queue[dict[str, Any] | BaseException] = queue.Queue()
+        self._replies: queue.Queue[Admit | Stop | BaseException] = queue.Queue()
         self._sends: queue.Queue[tuple[Any, int] | None] = queue.Queue()  # (posted send, its bytes)
         self.send_s = 0.0
         self.sent_bytes = 0
@@ -134,21 +150,21 @@ class Producer:
         sender = threading.Thread(target=self._send_loop, name="producer-sender", daemon=True)
         reader.start()
         sender.start()
-        self.ch.send({"op": "next"})
+        self.ch.send(NextItem())
         reply = self._reply()
-        while reply["op"] == "admit" and reply["next"] is not None:
-            reply = self._produce(self.item_spec(reply["next"]))
-        if reply["op"] == "admit":  # the feed is exhausted: close, then wait for the end of the run
-            self.ch.send({"op": "closed"})
+        while isinstance(reply, Admit) and reply.next is not None:
+            reply = self._produce(self.item_spec(reply.next))
+        if isinstance(reply, Admit):  # the feed is exhausted: close, then wait for the end of the run
+            self.ch.send(Closed())
             self.status("closed; waiting for the end of the run")
             reply = self._reply()
         self._sends.put(None)
         sender.join()
         if self.errors:
             raise self.errors[0]
-        self.ch.send({"op": "bye", "send_s": self.send_s, "bytes": self.sent_bytes})
+        self.ch.send(Bye(send_s=self.send_s, sent_bytes=self.sent_bytes))
 
-    def _produce(self, spec: ItemSpec) -> dict[str, Any]:
+    def _produce(self, spec: ItemSpec) -> Admit | Stop:
         self.status(f"computing item {spec.item_id}")
         self.clock.stages.clear()
         synchronize(self.transport.device)
@@ -158,14 +174,13 @@ class Producer:
         compute = time.perf_counter() - t0
         with self._lock:
             self.held[spec.item_id] = tensors
-        meta = {"tensors": describe(tensors), "fingerprint": fingerprint(tensors) if self.check else None}
+        meta = ItemMeta(describe(tensors), fingerprint(tensors) if self.check else None)
         nbytes = int(tensors[0].numel() * tensors[0].element_size())
-        self.ch.send({"op": "ready", "item_id": spec.item_id, "nbytes": nbytes, "meta": meta, "compute_s": compute,
-                      "stages": dict(self.clock.stages), "pid": os.getpid(), "gpu": self.gpu()})
+        self.ch.send(Ready(spec.item_id, nbytes, meta, compute, dict(self.clock.stages), os.getpid(), self.gpu()))
         self.status(f"item {spec.item_id} ready; waiting to be admitted")
         return self._reply()
 
-    def _reply(self) -> dict[str, Any]:
+    def _reply(self) -> Admit | Stop:
         got = self._replies.get()
         if isinstance(got, BaseException):
             raise got
@@ -175,21 +190,27 @@ class Producer:
         _use_device(self.transport.device)  # CUDA's current device is per thread (NCCL sends from here)
         try:
             while True:
-                msg = self.ch.recv(None)
-                if msg["op"] == "send":  # post this rank's part of the round at once; the sender thread waits
-                    with self._lock:
-                        tensors = self.held.pop(msg["item_id"])
-                    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                    pending = self.transport.post_send(tensors, msg["dst"], msg["round"])
-                    del tensors  # the send keeps what it still reads (on a sharing plane only the packed copy)
-                    self._sends.put((pending, nbytes))
-                    self.status(f"sending item {msg['item_id']} to rank {msg['dst']} in round {msg['round']}")
-                else:
-                    self._replies.put(msg)
-                    if msg["op"] == "stop":
+                match self.ch.recv(None):
+                    case Send(round=rnd, item_id=item_id, dst=dst):  # post this rank's part of the round at once
+                        with self._lock:
+                            tensors = self.held.pop(item_id)
+                        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                        pending = self.transport.post_send(tensors, dst, rnd)
+                        del tensors  # the send keeps what it still reads (on a sharing plane only the packed copy)
+                        self._sends.put((pending, nbytes))
+                        self.status(f"sending item {item_id} to rank {dst} in round {rnd}")
+                    case Admit() as admit:
+                        self._replies.put(admit)
+                    case Stop() as stop:
+                        self._replies.put(stop)
                         return
+                    case other:
+                        raise ProtocolError(f"a producer got {type(other).__name__} from {self.ch.peer}")
         except (ChannelError, OSError) as exc:
             self._replies.put(ChannelError(f"lost the coordinator: {exc}"))
+            self._sends.put(None)
+        except ProtocolError as exc:
+            self._replies.put(exc)
             self._sends.put(None)
 
     def _send_loop(self) -> None:
@@ -208,7 +229,7 @@ class Producer:
 # ====================================================================== drafter
 @dataclass
 class StepResult:
-    takes: list[dict[str, Any]] = field(default_factory=list)
+    takes: list[TakeReport] = field(default_factory=list)
     loss_sum: float = 0.0
     weight_sum: float = 0.0  # sum of the slot weights of the counted positions: the loss's denominator
     tokens: int = 0
@@ -243,11 +264,11 @@ class DrafterWorker:
         res = StepResult()
         t0 = time.perf_counter()
         self.status(f"step {step}: waiting for a take")
-        self.ch.send({"op": "request", "step": step})
-        reply = self.ch.recv(self.wait_s)
+        self.ch.send(Request(step))
+        reply = self._answer(step)
         res.stages["gate_wait_s"] = time.perf_counter() - t0
-        if reply["op"] == "assign":
-            res.takes.append(self._train_take(step, reply["transfers"], res))
+        if isinstance(reply, Assign):
+            res.takes.append(self._train_take(step, reply.transfers, res))
         stats = torch.tensor([res.loss_sum, res.weight_sum, res.tokens, res.anchors, res.n_items, res.real_tokens],
                              dtype=torch.float64, device=self.reduce_device)
         clock = StageClock(self.device, res.stages)
@@ -262,16 +283,21 @@ class DrafterWorker:
                 "items": int(n_items), "skipped": weight_sum <= 0}
         return res, info
 
-    def _train_take(self, step: int, transfers: list[dict[str, Any]], res: StepResult) -> dict[str, Any]:
-        take = {"item_ids": [], "compute_s": 0.0, "transfer_s": 0.0, "bytes": 0, "tokens": 0, "n_seqs": 0,
-                "anchors": 0, "counted_tokens": 0}
+    def _answer(self, step: int) -> Assign | NoWork:
+        reply = self.ch.recv(self.wait_s)
+        if not isinstance(reply, Assign | NoWork) or reply.step != step:
+            raise ProtocolError(f"a drafter asked for its take of step {step} and {self.ch.peer} answered {reply!r}")
+        return reply
+
+    def _train_take(self, step: int, transfers: tuple[Incoming, ...], res: StepResult) -> TakeReport:
+        take: dict[str, Any] = {"item_ids": [], "compute_s": 0.0, "transfer_s": 0.0, "bytes": 0, "tokens": 0,
+                                "n_seqs": 0, "anchors": 0, "counted_tokens": 0}
         clock = StageClock(self.device, res.stages)  # transfer_s, drafter_forward_s, drafter_backward_s
         for x in transfers:  # this rank's part of each round, in increasing round order
-            metas: tuple[TensorMeta, ...] = x["meta"]["tensors"]
-            self.status(f"step {step}: receiving item {x['item_id']} from rank {x['src']} in round {x['round']}")
+            self.status(f"step {step}: receiving item {x.item_id} from rank {x.src} in round {x.round}")
             before = dict(res.stages)
             with clock.stage("transfer_s"):
-                lease, _ = self.transport.recv(metas, x["src"], x["round"])
+                lease, _ = self.transport.recv(x.meta.tensors, x.src, x.round)
             tensors = lease.tensors
             self._check(x, tensors)
             take["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
@@ -279,13 +305,13 @@ class DrafterWorker:
             with clock.stage("drafter_forward_s"), \
                     torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 out = self.drafter.loss(hidden, input_ids, loss_mask, attention_mask,
-                                        generator=item_generator(self.seed, x["item_id"]))
+                                        generator=item_generator(self.seed, x.item_id))
             with clock.stage("drafter_backward_s"):
                 out.loss_sum.backward()  # unnormalised: divided by the global weight after the all-reduce
             for key, stage in (("transfer_s", "transfer_s"), ("compute_s", "drafter_forward_s"),
                                ("compute_s", "drafter_backward_s")):
                 take[key] += res.stages[stage] - before.get(stage, 0.0)
-            take["item_ids"].append(x["item_id"])
+            take["item_ids"].append(x.item_id)
             take["tokens"] += int(attention_mask.sum())
             take["n_seqs"] += int(input_ids.shape[0])
             take["anchors"] += int(out.anchors)
@@ -299,18 +325,18 @@ class DrafterWorker:
             del out, hidden, input_ids, attention_mask, loss_mask, tensors
             self.transport.release(lease)  # the backward is done: the buffer may take the next item
         res.stages["drafter_compute_s"] = take["compute_s"]  # forward + backward (the take record's compute_s)
-        return take
+        return TakeReport(**{**take, "item_ids": tuple(take["item_ids"])})
 
-    def _check(self, x: dict[str, Any], tensors: tuple[torch.Tensor, ...]) -> None:
+    def _check(self, x: Incoming, tensors: tuple[torch.Tensor, ...]) -> None:
         """A received item must be the item assigned: its fingerprint, and its tokens formed from its id."""
         if not self.check:
             return
-        want = x["meta"]["fingerprint"]
+        want = x.meta.fingerprint
         if want is not None and fingerprint(tensors) != want:
-            raise RuntimeError(f"item {x['item_id']} from rank {x['src']} (round {x['round']}) arrived with other "
+            raise RuntimeError(f"item {x.item_id} from rank {x.src} (round {x.round}) arrived with other "
                                f"content than was sent")
         if self.verify_ids is not None:
-            self.verify_ids(x["item_id"], tensors)
+            self.verify_ids(x.item_id, tensors)
 
     def _apply_gradients(self, weight: float) -> tuple[float, float]:
         """Sum gradients over the drafter ranks, divide by the global weight, clip, step (skipped at weight 0).

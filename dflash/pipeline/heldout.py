@@ -18,46 +18,56 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from dflash.pipeline.context import Corpus, RankContext
+
+if TYPE_CHECKING:
+    from dflash.core.config import DflashConfig
+    from dflash.model.drafter import DFlashDrafter
+    from dflash.model.target import HiddenStateCapture
+    from dflash.pipeline.telemetry import WandbLogger
 
 HELDOUT_JSON = "heldout.json"
 STATES_FILE = Path("heldout") / "states.pt"
 
 
-def heldout_description(rr: Any) -> dict[str, Any]:
+def heldout_description(cfg: DflashConfig, corpus: Corpus) -> dict[str, Any]:
     """What ``heldout.json`` says: which conversations, by bucket, chosen how."""
-    per_bucket = [list(b) for b in rr.sampler.heldout]
-    ids = [str(rr.data.conversations[i].id) for b in per_bucket for i in b]
-    t = rr.cfg.train
-    return {"ids": ids, "per_bucket": per_bucket, "seed": rr.cfg.seed, "quality_per_bucket": t.quality_per_bucket,
-            "anchors": t.quality_anchors, "block_size": rr.cfg.drafter.block_size,
-            "model": rr.cfg.target.model, "layer_ids": list(rr.layer_ids)}
+    per_bucket = [list(b) for b in corpus.sampler.heldout]
+    ids = [str(corpus.data.conversations[i].id) for b in per_bucket for i in b]
+    t = cfg.train
+    return {"ids": ids, "per_bucket": per_bucket, "seed": cfg.seed, "quality_per_bucket": t.quality_per_bucket,
+            "anchors": t.quality_anchors, "block_size": cfg.drafter.block_size,
+            "model": cfg.target.model, "layer_ids": list(corpus.layer_ids)}
 
 
-def _fingerprint(rr: Any) -> str:
+def _fingerprint(cfg: DflashConfig, corpus: Corpus) -> str:
     from dflash.model.heldout import heldout_fingerprint
 
-    return heldout_fingerprint([i for b in rr.sampler.heldout for i in b], rr.cfg.target.model, rr.layer_ids)
+    return heldout_fingerprint([i for b in corpus.sampler.heldout for i in b], cfg.target.model,
+                               list(corpus.layer_ids))
 
 
-def prepare_on_target(rr: Any) -> None:
+def prepare_on_target(ctx: RankContext, corpus: Corpus, capture: HiddenStateCapture, state_dtype: torch.dtype) -> None:
     """First target rank, before producing: the held-out states, unless the run already keeps them."""
     from dflash.model.heldout import load_heldout, prepare_heldout, save_heldout
 
-    if rr.cfg.train.quality_every is None or rr.roles.rank != 0:
+    cfg = ctx.cfg
+    if cfg.train.quality_every is None or ctx.roles.rank != 0:
         return
-    path, fp = rr.out / STATES_FILE, _fingerprint(rr)
-    (rr.out / HELDOUT_JSON).write_text(json.dumps(heldout_description(rr), indent=1))
+    path, fp = ctx.out / STATES_FILE, _fingerprint(cfg, corpus)
+    (ctx.out / HELDOUT_JSON).write_text(json.dumps(heldout_description(cfg, corpus), indent=1))
     if path.exists() and load_heldout(path, fp) is not None:
         return
-    rr.status("computing the held-out set's target states")
+    ctx.status("computing the held-out set's target states")
     t0 = time.perf_counter()
-    states = prepare_heldout(rr.target.model, rr.capture, heldout_sequences(rr.data, rr.sampler.heldout),
-                             len(rr.sampler.heldout), rr.device, rr.state_dtype)
+    states = prepare_heldout(corpus.target.model, capture, heldout_sequences(corpus.data, corpus.sampler.heldout),
+                             len(corpus.sampler.heldout), ctx.device, state_dtype)
     save_heldout(path, states, fp)
-    rr.status(f"held-out states: {len(states.sequences)} sequences in {time.perf_counter() - t0:.1f} s")
+    ctx.status(f"held-out states: {len(states.sequences)} sequences in {time.perf_counter() - t0:.1f} s")
 
 
 def heldout_sequences(data: Any, per_bucket: Any) -> Iterator[tuple[int, str, int, torch.Tensor, torch.Tensor]]:
@@ -71,9 +81,9 @@ def heldout_sequences(data: Any, per_bucket: Any) -> Iterator[tuple[int, str, in
 class QualityScorer:
     """Host drafter rank: scores the drafter on the kept held-out states every ``quality_every`` steps."""
 
-    def __init__(self, rr: Any, wait_s: float) -> None:
-        self.rr, self.wait_s = rr, wait_s
-        self.every = rr.cfg.train.quality_every
+    def __init__(self, ctx: RankContext, corpus: Corpus, drafter: DFlashDrafter) -> None:
+        self.ctx, self.corpus, self.drafter, self.wait_s = ctx, corpus, drafter, ctx.wait_s
+        self.every = ctx.cfg.train.quality_every
         self.states: Any = None
 
     def due(self, step: int) -> bool:
@@ -83,7 +93,7 @@ class QualityScorer:
         from dflash.model.heldout import load_heldout
 
         if self.states is None:
-            path, fp = self.rr.out / STATES_FILE, _fingerprint(self.rr)
+            path, fp = self.ctx.out / STATES_FILE, _fingerprint(self.ctx.cfg, self.corpus)
             deadline = time.perf_counter() + self.wait_s
             while (got := load_heldout(path, fp)) is None:  # the target rank writes it before producing
                 if time.perf_counter() > deadline:
@@ -93,19 +103,19 @@ class QualityScorer:
             self.states = got
         return self.states
 
-    def score(self, step: int, wb: Any) -> dict[str, Any]:
+    def score(self, step: int, wb: WandbLogger | None) -> dict[str, Any]:
         from dflash.model.heldout import score_heldout
 
-        rr = self.rr
+        ctx = self.ctx
         t0 = time.perf_counter()
-        res = score_heldout(rr.drafter, self._states(), anchors=rr.cfg.train.quality_anchors, seed=rr.cfg.seed,
-                            device=rr.device)  # seed: the intervals' bootstrap
+        res = score_heldout(self.drafter, self._states(), anchors=ctx.cfg.train.quality_anchors, seed=ctx.cfg.seed,
+                            device=ctx.device)  # seed: the intervals' bootstrap
         res["score_s"] = time.perf_counter() - t0
         if wb is not None:
             wb.log({"heldout/loss": res["loss"], "heldout/acceptance": res["acceptance"], "heldout/tau": res["tau"],
                     **{f"heldout/acceptance/bucket_{b['bucket']}": b["acceptance"] for b in res["per_bucket"]
                        if b["acceptance"] is not None}}, step=step)
-        rr.progress(f"held-out after step {step + 1}: {quality_line(res)}")
+        ctx.progress(f"held-out after step {step + 1}: {quality_line(res)}")
         return res
 
 
