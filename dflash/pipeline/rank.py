@@ -79,6 +79,13 @@ class RunSpec:
     quiet: bool = False
 
 
+def needs_whole_target(cfg: DflashConfig, is_host_drafter: bool) -> bool:
+    """Whether a drafter rank loads the whole target: only the host drafter rank, and only when
+    ``train.eval_every`` runs real speculative decoding there (drafter_loop); every other drafter rank
+    reads just the embedding and LM head from the checkpoint (dflash.model.target.load_target_tables)."""
+    return bool(cfg.train.eval_every) and is_host_drafter
+
+
 def roles_from_env(cfg: DflashConfig) -> Roles:
     env = os.environ
     world = int(env.get("WORLD_SIZE", "1"))
@@ -229,13 +236,18 @@ class RankRun:
         return 0
 
     def _load(self) -> None:
-        from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
+        from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target, load_target_tables
         from dflash.pipeline.training_data import TrainingData
 
         self.status("loading the target and the data")
-        where = self.device if self.roles.is_target else "cpu"  # a drafter rank needs only its embedding/LM head
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        self.target = load_target(self.cfg.target.model, device=where, dtype=dtype)
+        tables = None
+        if not self.roles.is_target and not needs_whole_target(self.cfg, self.roles.is_coordinator):
+            tables = load_target_tables(self.cfg.target.model, dtype=dtype)  # embedding and LM head only
+        # a target rank loads straight onto its device; a drafter rank holds the whole target (on the host) only
+        # where it runs train.eval_every's speculative decoding, or where no local checkpoint has the tables
+        self.target = tables or load_target(self.cfg.target.model, device=self.device if self.roles.is_target
+                                             else "cpu", dtype=dtype)
         self.layer_ids = capture_layer_ids(self.target.num_layers, self.cfg.target.capture_layers)
         self.data = TrainingData(self.cfg, self.target.tokenizer)
         self.sampler = self.data.sampler
