@@ -29,6 +29,7 @@ from dflash.pipeline import messages as m
 from dflash.pipeline.channel import Hub
 from dflash.pipeline.checkpoint import ControlWatch, ItemFeed, rejected_change
 from dflash.pipeline.coordinator import Admit, Assignment, Coordinator, NoWork
+from dflash.pipeline.faults import fault
 from dflash.pipeline.ledger import Ledger
 from dflash.pipeline.roles import Roles
 
@@ -183,6 +184,8 @@ class CoordinatorService:
             self._apply_control(step=None, at_start=True)
             while len(self._byes) < self.roles.world_size:
                 msgs = self.hub.poll(0.05)
+                if msgs:
+                    fault("coordinator.handle")
                 with self._lock:
                     self._handle(msgs)
                     self._lock.notify_all()

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from dflash.core.sampler import ItemSpec
 from dflash.pipeline.channel import Channel, ChannelError
+from dflash.pipeline.faults import fault
 from dflash.pipeline.messages import (
     Admit,
     Assign,
@@ -169,6 +170,7 @@ class Producer:
         self.clock.stages.clear()
         synchronize(self.transport.device)
         t0 = time.perf_counter()
+        fault("producer.make")
         tensors = self.make(spec)
         synchronize(self.transport.device)  # the item's device work is in its compute time
         compute = time.perf_counter() - t0
@@ -195,6 +197,7 @@ class Producer:
                         with self._lock:
                             tensors = self.held.pop(item_id)
                         nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                        fault("producer.post_send")
                         pending = self.transport.post_send(tensors, dst, rnd)
                         del tensors  # the send keeps what it still reads (on a sharing plane only the packed copy)
                         self._sends.put((pending, nbytes))
@@ -209,7 +212,7 @@ class Producer:
         except (ChannelError, OSError) as exc:
             self._replies.put(ChannelError(f"lost the coordinator: {exc}"))
             self._sends.put(None)
-        except ProtocolError as exc:
+        except BaseException as exc:  # anything else (CUDA OOM taking a pool buffer, NCCL, IPC): the owner raises it
             self._replies.put(exc)
             self._sends.put(None)
 
@@ -219,6 +222,7 @@ class Producer:
         try:
             while (got := self._sends.get()) is not None:
                 pending, nbytes = got
+                fault("producer.send_wait")
                 self.send_s += pending.wait()
                 self.sent_bytes += nbytes
         except BaseException as exc:  # surfaced by run()
@@ -263,6 +267,7 @@ class DrafterWorker:
         """One synchronised optimizer step; None when no drafter rank got an item (drained)."""
         res = StepResult()
         t0 = time.perf_counter()
+        fault("drafter.step")
         self.status(f"step {step}: waiting for a take")
         self.ch.send(Request(step))
         reply = self._answer(step)
