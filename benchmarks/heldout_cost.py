@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.model.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
     from dflash.model.heldout import prepare_heldout, score_heldout
     from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
-    from dflash.pipeline.quality import heldout_sequences
+    from dflash.pipeline.heldout import heldout_sequences
     from dflash.pipeline.training_data import TrainingData
 
     torch.set_num_threads(args.threads)

@@ -26,7 +26,6 @@ verdict, into benchmarks/RESULTS.md (``--no-record``: print only). Bad flags: on
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex
@@ -151,15 +150,15 @@ def parse_args(argv: list[str] | None = None) -> Plan:
 def write_config(plan: Plan, path: Path, queue: dict[str, Any] | None = None,
                  split: dict[str, int] | None = None) -> Path:
     """The base configuration with the profile's overrides, the held-out metric and ``queue``'s knobs."""
-    from dflash.core.config import config_to_toml, load_config, with_overrides
+    from dflash.core.config import UNSET, config_to_toml, load_config, with_overrides
 
     over: dict[str, Any] = dict(plan.overrides)
     over.update({"train.quality_every": plan.quality_every, "train.quality_per_bucket": plan.quality_per_bucket})
     over.update({f"queue.{k}": v for k, v in (queue or {}).items() if k in QUEUE_KEYS})
     over.update({f"cluster.{k}": v for k, v in (split or {}).items()})
-    cfg = with_overrides(load_config(plan.base), over)
     # --steps ends every run (the schedule follows it): no epoch, step or time limit of the base file's
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=None, max_steps=None, max_minutes=None))
+    over.update({"train.epochs": UNSET, "train.max_steps": UNSET, "train.max_minutes": UNSET})
+    cfg = with_overrides(load_config(plan.base), over)
     path.write_text(config_to_toml(cfg))
     return path
 

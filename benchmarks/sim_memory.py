@@ -19,13 +19,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "h200-8b-drafter-bound.toml"
+# The child's peak is its own image's VmHWM, as benchmarks/loss_memory.py reads it: not ``ru_maxrss``,
+# which Linux carries across exec from the forked parent (a child of a large process read the parent's size).
 CHILD = """
 import io, json, resource, sys, contextlib
 from dflash.cli import main
 with contextlib.redirect_stdout(io.StringIO()):
     rc = main(sys.argv[1:])
 u = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"rc": rc, "cpu_s": u.ru_utime + u.ru_stime, "peak_mb": u.ru_maxrss / 1024}))
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"rc": rc, "cpu_s": u.ru_utime + u.ru_stime, "peak_mb": hwm / 1024}))
 """
 
 

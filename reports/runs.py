@@ -58,7 +58,10 @@ class RunData:
 
     @property
     def queue(self) -> dict[str, Any] | None:
-        return (self.config or {}).get("queue")
+        """The knobs in force at the run's end (a trainer's summary says them: tune-live and the autopilot
+        move them), else the ones its config started with."""
+        end = (self.summary or {}).get("queue")
+        return end if isinstance(end, dict) else (self.config or {}).get("queue")
 
     @property
     def bucket_bounds(self) -> list[int] | None:
@@ -91,7 +94,7 @@ def load_run(path: Path, name: str | None = None) -> RunData:
     """Everything the report reads from one run directory; absent files leave their field empty."""
     takes = list(read_records(path, "take"))
     steps = list(read_records(path, "step"))
-    summary = next(iter(read_records(path, "summary")), None)
+    summary = next(reversed(list(read_records(path, "summary"))), None)  # the last session's (after a resume)
     source = next((r.get("source") for r in (*takes[:1], *steps[:1]) if r.get("source")), None)
     if source is None:
         first = next(iter(read_records(path, "produce")), None)

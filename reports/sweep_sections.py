@@ -12,7 +12,7 @@ import math
 
 import pandas as pd
 
-from dflash.core.named_configs import knobs_label
+from dflash.core.named_configs import named_config_of
 from reports import figures
 from reports.document import Figure, Missing, Section, Table
 from reports.fmt import NA, fmt_metric, fmt_pm, num
@@ -150,11 +150,16 @@ def sensitivity_section(inputs: Inputs) -> Section:
                 s = table.get((f"user_attrs_{MIX}_se", pol), pd.Series(dtype=float)).get(pair)
                 t = table.get((f"user_attrs_{TPUT}", pol), pd.Series(dtype=float)).get(pair)
                 row[pol] = f"{fmt_pm(MIX, m, s)} | {fmt_metric(TPUT, t)}" if num(m) is not None else NA
+                named = named_config_of(_pair_queue(str(pair), pol)) if str(pair) not in starts else None
+                if named and row[pol] != NA:  # a named config is this one cell, not the row
+                    row[pol] += f" ({named})"
             rows.append(row)
         auto = (" The auto row is the queue autopilot (docs/ARCHITECTURE.md, Queue autopilot): it starts from the "
                 "pair shown and moves min_ready/max_depth during the run.") if starts else ""
         sec.blocks.append(Table(pd.DataFrame(rows), "Grid study: mix_efficiency ± standard error | tokens/s "
-                                "(simulated, mean over seeds) for each (min_ready/max_depth, policy)." + auto))
+                                "(simulated, mean over seeds) for each (min_ready/max_depth, policy); baseline "
+                                "and handpicked are the cells so marked (their pair under the default policy)."
+                                + auto))
         return sec
     df, _, _ = figures.binned(static_only(df))
     rows = []
@@ -202,9 +207,14 @@ def _auto_starts(df: pd.DataFrame) -> dict[str, str]:
 
 
 def _pair_label(pair: str, starts: dict[str, str]) -> str:
-    if pair in starts:
-        return f"{pair} (autopilot, from {starts[pair]})"
-    return knobs_label(*(int(x) for x in pair.split("/")))
+    return f"{pair} (autopilot, from {starts[pair]})" if pair in starts else pair
+
+
+def _pair_queue(pair: str, policy: str) -> dict[str, object] | None:
+    parts = pair.split("/")
+    if not all(p.isdigit() for p in parts) or len(parts) != 2:
+        return None
+    return {"min_ready": int(parts[0]), "max_depth": int(parts[1]), "policy": policy}
 
 
 def static_only(df: pd.DataFrame) -> pd.DataFrame:

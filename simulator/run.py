@@ -25,7 +25,7 @@ from typing import Any
 
 import simpy
 
-from dflash.core.autopilot import Autopilot, QueueState, queue_memory_budget
+from dflash.core.autopilot import Autopilot, AutopilotConfig, QueueState
 from dflash.core.config import DflashConfig
 from dflash.core.memory_model import allreduce_seconds, bytes_per_token, fullest_device_bytes
 from dflash.core.queue_core import QueueCore, QueueItem
@@ -129,9 +129,7 @@ class _Pipeline:
         self.budget_done = env.event()
         # [queue] mode = "auto": the autopilot (the coordinator's own code) sees every put and take and
         # may change min_ready/max_depth between takes; its decisions are kept as control records
-        budget = queue_memory_budget(cfg.sweep.memory_budget_gib)
-        self.autopilot = Autopilot(cfg.queue, self.mix, window=cfg.metrics.window, n_target=self.n_target,
-                                   n_drafter=self.n_drafter, memory_bytes=budget, seed=cfg.seed) \
+        self.autopilot = Autopilot(AutopilotConfig.for_run(cfg, self.mix, self.n_target, self.n_drafter)) \
             if cfg.queue.mode == "auto" else None
         self.controls: list[dict[str, Any]] = []
         self.knobs: list[tuple[float, int, int]] = [(0.0, cfg.queue.min_ready, cfg.queue.max_depth)]
@@ -183,6 +181,7 @@ class _Pipeline:
                 decision = autopilot.decide(now, QueueState(core.depth, core.queued_bytes, len(core.blocked)))
                 if decision is not None:
                     core.reconfigure(decision.config)
+                    self.stream.min_ready = decision.config.min_ready  # the span is judged by the knob in force
                     controls.append(decision.record())
                     knobs.append((now, decision.config.min_ready, decision.config.max_depth))
 

@@ -14,7 +14,16 @@ import random
 
 import pytest
 
-from dflash.core.autopilot import STEP_DOWN, STEP_UP, Autopilot, QueueState, ShadowBuffer, ladder
+from dflash.core.autopilot import (
+    STEP_DOWN,
+    STEP_UP,
+    Autopilot,
+    AutopilotConfig,
+    AutopilotTuning,
+    QueueState,
+    ShadowBuffer,
+    ladder,
+)
 from dflash.core.config import QueueConfig, load_config, with_overrides
 from dflash.core.errors import ConfigError
 from dflash.core.mixmetrics import expected_window_entropy
@@ -110,14 +119,14 @@ def test_a_bigger_shadow_buffer_mixes_grouped_arrivals_better():
 # ---------------------------------------------------------------------------- the controller
 def test_no_decision_before_the_first_windows_and_none_from_the_clock():
     cfg = QueueConfig(min_ready=10, max_depth=30, mode="auto")
-    ap = Autopilot(cfg, MIX, first_windows=16)
+    ap = Autopilot(AutopilotConfig(cfg, MIX, tuning=AutopilotTuning(first_windows=16)))
     _, decisions = drive(ap, cfg, iid_arrivals(16 * 32 - 1))
     assert decisions == []
 
 
 def test_well_mixed_arrivals_lower_the_knob_to_its_floor_at_the_stated_rate():
     cfg = QueueConfig(min_ready=30, max_depth=90, mode="auto", auto_min_ready=3)
-    ap = Autopilot(cfg, MIX, seed=0)
+    ap = Autopilot(AutopilotConfig(cfg, MIX, seed=0))
     core, decisions = drive(ap, cfg, iid_arrivals(8000))
     path = knob_path(30, decisions)
     assert path[-1] == 3, "iid arrivals mix at any size: the least memory is the floor"
@@ -131,7 +140,7 @@ def test_well_mixed_arrivals_lower_the_knob_to_its_floor_at_the_stated_rate():
 
 def test_grouped_arrivals_raise_the_knob_never_past_the_depth_limit_nor_faster_than_step_up():
     cfg = QueueConfig(min_ready=2, max_depth=6, mode="auto", auto_max_depth=40)
-    ap = Autopilot(cfg, MIX, seed=0)
+    ap = Autopilot(AutopilotConfig(cfg, MIX, seed=0))
     _, decisions = drive(ap, cfg, grouped_arrivals(12000, run=64))
     path = knob_path(2, decisions)
     assert max(path) > 2
@@ -143,7 +152,7 @@ def test_grouped_arrivals_raise_the_knob_never_past_the_depth_limit_nor_faster_t
 
 def test_byte_limit_caps_the_depth():
     cfg = QueueConfig(min_ready=4, max_depth=12, max_bytes=2000, mode="auto", auto_max_depth=200)
-    ap = Autopilot(cfg, MIX, seed=0)
+    ap = Autopilot(AutopilotConfig(cfg, MIX, seed=0))
     _, decisions = drive(ap, cfg, grouped_arrivals(12000, run=64), nbytes=100)
     assert decisions, "grouped arrivals must move the knob"
     assert all(d.config.min_ready * 100 <= 2000 for d in decisions)
@@ -158,7 +167,7 @@ def test_a_steady_input_settles_without_oscillating(seed):
     The wander is real: where the mix curve is flat near the target, +/-0.01 of estimated mix moves
     the size needed by +/-50% (measured here: 11..72 around a median of 25..36)."""
     cfg = QueueConfig(min_ready=40, max_depth=120, mode="auto")
-    ap = Autopilot(cfg, MIX, seed=0)
+    ap = Autopilot(AutopilotConfig(cfg, MIX, seed=0))
     _, decisions = drive(ap, cfg, grouped_arrivals(40000, run=4, seed=seed))
     first = [d.config.min_ready for d in decisions if 10000 <= d.t < 20000]
     second = [d.config.min_ready for d in decisions if d.t >= 20000]
@@ -172,7 +181,7 @@ def test_a_steady_input_settles_without_oscillating(seed):
 
 def test_drafter_bound_moves_max_depth_and_says_min_ready_does_not_bind():
     cfg = QueueConfig(min_ready=30, max_depth=90, mode="auto")
-    ap = Autopilot(cfg, MIX, seed=0)
+    ap = Autopilot(AutopilotConfig(cfg, MIX, seed=0))
     _, decisions = drive(ap, cfg, iid_arrivals(8000), drafter_bound=True)
     assert decisions
     first = decisions[0]
@@ -184,7 +193,7 @@ def test_drafter_bound_moves_max_depth_and_says_min_ready_does_not_bind():
 
 def test_a_decision_is_a_control_record_with_its_reason():
     cfg = QueueConfig(min_ready=30, max_depth=90, mode="auto")
-    ap = Autopilot(cfg, MIX, seed=0)
+    ap = Autopilot(AutopilotConfig(cfg, MIX, seed=0))
     _, decisions = drive(ap, cfg, iid_arrivals(3000))
     rec = decisions[0].record()
     assert rec["accepted"] is True and set(rec["change"]) <= {"min_ready", "max_depth"}
@@ -199,7 +208,8 @@ def test_a_decision_is_a_control_record_with_its_reason():
 
 def test_same_calls_same_decisions():
     cfg = QueueConfig(min_ready=20, max_depth=60, mode="auto")
-    runs = [drive(Autopilot(cfg, MIX, seed=4), cfg, grouped_arrivals(6000, run=12))[1] for _ in range(2)]
+    runs = [drive(Autopilot(AutopilotConfig(cfg, MIX, seed=4)), cfg, grouped_arrivals(6000, run=12))[1]
+            for _ in range(2)]
     assert [(d.t, d.change) for d in runs[0]] == [(d.t, d.change) for d in runs[1]]
 
 
@@ -207,11 +217,11 @@ def test_state_survives_a_resume_as_json():
     import json
 
     cfg = QueueConfig(min_ready=30, max_depth=90, mode="auto")
-    ap = Autopilot(cfg, MIX, seed=0)
+    ap = Autopilot(AutopilotConfig(cfg, MIX, seed=0))
     core, decisions = drive(ap, cfg, iid_arrivals(3000))
     assert decisions
     state = json.loads(json.dumps(ap.state_dict()))
-    again = Autopilot(cfg, MIX, seed=0)
+    again = Autopilot(AutopilotConfig(cfg, MIX, seed=0))
     again.load_state_dict(state)
     assert again.config == ap.config == core.config
     assert again.interval() == ap.interval() and again.smoothed == ap.smoothed

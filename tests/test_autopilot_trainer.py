@@ -9,6 +9,7 @@ One real 1 + 1 job on a tiny Llama with SmolLM2's tokenizer and a real ShareGPT 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,6 +45,19 @@ def test_train_queue_auto_writes_each_change_as_a_control_record_with_its_reason
         assert r["accepted"] is True and set(r["change"]) <= {"min_ready", "max_depth"} and r["change"]
         assert {"rule"} <= set(r["reason"]) and "mix" in str(r["reason"])
     assert auto_run["stdout"].count("queue autopilot: ") == len(decisions)  # one line each
+
+
+def test_after_autopilot_decisions_the_metrics_and_summary_use_the_knobs_in_force(auto_run) -> None:
+    """metrics.json and the summary record say the knobs the autopilot left in force, not the start's 6/12."""
+    run = auto_run["run"]
+    knobs = {"min_ready": 6, "max_depth": 12}
+    for r in read_records(run, "control"):
+        if r.get("source_of_change") == "autopilot":
+            knobs.update(r["change"])
+    assert knobs != {"min_ready": 6, "max_depth": 12}, "the autopilot moved no knob"
+    summary = list(read_records(run, "summary"))[-1]
+    assert {k: summary["queue"][k] for k in knobs} == knobs
+    assert json.loads((run / "metrics.json").read_text())["min_ready"] == knobs["min_ready"]
 
 
 def test_the_queue_obeys_the_depth_the_autopilot_set(auto_run) -> None:

@@ -103,3 +103,14 @@ def test_a_nested_part_of_the_wrong_shape_is_malformed_too(hub_and_ranks) -> Non
     hub.send(1, bad)
     with pytest.raises(m.ProtocolError, match="malformed control message Assign from the coordinator: transfers"):
         ranks[1].recv(5)
+
+
+def test_the_architecture_table_lists_every_message_with_its_fields() -> None:
+    """docs/ARCHITECTURE.md ("Control messages") names each message as the code declares it."""
+    import dataclasses
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "ARCHITECTURE.md").read_text()
+    for cls in (*m.TO_COORDINATOR, *m.TO_RANK):
+        fields = ", ".join(f.name for f in dataclasses.fields(cls))
+        assert f"| `{cls.__name__}({fields})` |" in doc, cls.__name__

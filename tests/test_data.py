@@ -50,6 +50,21 @@ def test_array_cut_mid_record(tmp_path: Path, indent: int | None) -> None:
     assert stats == ParseStats(records=4, broken=1, skipped=0, kept=3)
 
 
+def test_loading_returns_the_damaged_count_and_the_caller_says_it(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """load_conversations prints nothing (a rank re-reading the file must stay quiet); a command says the
+    one line through say_damaged."""
+    from dflash.data.conversations import damaged_line, say_damaged
+
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join([json.dumps(GOOD[0]), "{not json", json.dumps(GOOD[1])]) + "\n", encoding="utf-8")
+    _, stats = load_conversations(p, "conversation")
+    assert stats.broken == 1 and capsys.readouterr().err == ""
+    say_damaged(p, stats)
+    assert capsys.readouterr().err == damaged_line(p, stats) + "\n"
+    assert damaged_line(p, ParseStats(records=2, broken=0, skipped=0, kept=2)) is None
+
+
 def test_array_broken_record_in_the_middle_resyncs(tmp_path: Path) -> None:
     good = [json.dumps(r, indent=2) for r in GOOD]
     bad = ('{\n  "id": "bad",\n  "conversations": [\n    {"from": "human", "value": "x"},\n'

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dflash.core.named_configs import NAMED_CONFIGS, knobs_label, named_config_of
+from dflash.core.named_configs import NAMED_CONFIGS, named_config_of
 from tuning.pareto import dominates, knee_scores, nondominated
 
 points2 = st.lists(st.tuples(st.floats(0, 10, allow_nan=False), st.floats(0, 10, allow_nan=False)), max_size=25)
@@ -55,7 +55,7 @@ def test_named_config_of(queue, name):
     assert named_config_of(queue) == name
 
 
-def test_named_configs_are_designs_and_label_themselves():
+def test_named_configs_are_designs_and_a_pair_alone_under_another_policy_is_not_one():
     assert NAMED_CONFIGS == {"baseline": {"min_ready": 10, "max_depth": 30},
                              "handpicked": {"min_ready": 30, "max_depth": 90}}
-    assert knobs_label(10, 30) == "10/30 (baseline)" and knobs_label(20, 60) == "20/60"
+    assert named_config_of({"min_ready": 10, "max_depth": 30, "policy": "fullest"}) is None

@@ -60,8 +60,10 @@ def test_a_grid_study_with_the_autopilot_shows_the_auto_row_after_the_static_pai
     md = report(tmp_path, sweep)
     rows = tables(section(md, "Sensitivity"))[0]
     labels = [r["min_ready/max_depth"] for r in rows]
-    assert labels == ["10/30 (baseline)", "20/60", "25/75", "30/90 (handpicked)", "40/120",
-                      "auto (autopilot, from 30/90)"]
+    assert labels == ["10/30", "20/60", "25/75", "30/90", "40/120", "auto (autopilot, from 30/90)"]
+    marked = {r["min_ready/max_depth"]: r["random_item"].rsplit(" (", 1)[-1] for r in rows
+              if r["random_item"].endswith(")")}
+    assert marked == {"10/30": "baseline)", "30/90": "handpicked)"}  # the named configs are cells, not rows
     import pandas as pd
 
     trials = pd.read_parquet(sweep / "trials.parquet")

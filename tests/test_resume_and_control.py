@@ -217,6 +217,20 @@ def test_a_live_change_is_applied_between_takes_and_a_bad_one_is_rejected(live_r
     assert next(read_records(live_run, "summary"))["stopped_by"] == "signal SIGTERM"  # the run went on
 
 
+def test_after_a_live_change_the_metrics_summary_and_checkpoint_use_the_knobs_in_force(live_run: Path) -> None:
+    """The knobs in force live in one place (the coordinator's queue core): after ``tune-live`` set
+    min_ready 5 (the run started at 3), metrics.json, the summary record and the last checkpoint say 5."""
+    metrics = json.loads((live_run / "metrics.json").read_text())
+    summary = list(read_records(live_run, "summary"))[-1]
+    assert metrics["min_ready"] == 5
+    assert summary["queue"]["min_ready"] == 5 and summary["queue"]["max_depth"] == 6
+    newest = sorted((live_run / "checkpoint").glob("step-*"))[-1]
+    assert json.loads((newest / "meta.json").read_text())["queue_config"]["min_ready"] == 5
+    from reports.runs import load_run
+
+    assert load_run(live_run).queue["min_ready"] == 5  # the report reads the knobs in force too
+
+
 def test_tune_live_judges_flags_against_the_runs_own_config_and_survives_any_control_file(
         live_run: Path, capsys: pytest.CaptureFixture) -> None:
     controls = list(read_records(live_run, "control"))

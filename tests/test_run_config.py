@@ -35,3 +35,21 @@ def test_directory_without_config(tmp_path: Path) -> None:
     assert run_config_or_none(tmp_path) is None
     with pytest.raises(ConfigError, match=r"no config\.json"):
         load_run_config(tmp_path)
+
+
+def test_an_unset_override_reaches_the_run_and_none_keeps_the_value(tmp_path: Path) -> None:
+    """``UNSET`` turns an optional key off (the run's config.json, which every rank reads, says so);
+    ``None`` is no override; a key without an unset value is one line naming it."""
+    from dflash.core.config import UNSET
+
+    base = with_overrides(DflashConfig(), {"train.max_minutes": 5.0, "train.eval_every": 10, "train.max_steps": 40})
+    cfg = with_overrides(base, {"train.max_minutes": UNSET, "train.eval_every": UNSET, "train.max_steps": None})
+    write_run_config(tmp_path, cfg)
+    run = load_run_config(tmp_path)
+    assert run.train.max_minutes is None and run.train.eval_every is None  # unset, as the run reads it
+    assert run.train.max_steps == 40  # None: kept
+    with pytest.raises(ConfigError, match=r"train\.lr: cannot be unset"):
+        with_overrides(base, {"train.lr": UNSET})
+    import pickle
+
+    assert pickle.loads(pickle.dumps(UNSET)) is UNSET  # a spawned rank's spec may carry it

@@ -18,7 +18,7 @@ import random
 import pytest
 import simpy
 
-from dflash.core.autopilot import Autopilot, QueueState
+from dflash.core.autopilot import Autopilot, AutopilotConfig, QueueState
 from dflash.core.config import QueueConfig
 from dflash.core.queue_core import QueueCore, QueueItem
 from simulator.engine import SimHSQueue
@@ -230,7 +230,7 @@ def test_the_coordinator_and_the_simulator_steer_the_autopilot_alike(policy: str
     trace = make_trace(seed=min_ready * 13 + max_depth + n_prod, n_prod=n_prod, n_draft=2, items_per_prod=60)
 
     def pilot() -> Autopilot:
-        return Autopilot(cfg, MIX, window=2, n_target=n_prod, n_drafter=2, seed=11)
+        return Autopilot(AutopilotConfig(cfg, MIX, window=2, n_target=n_prod, n_drafter=2, seed=11))
 
     sim_controls: list[tuple[float, dict]] = []
     coord_controls: list[tuple[float, dict]] = []

@@ -104,7 +104,7 @@ def test_where_the_queue_sits_depends_on_the_bottleneck(name: str, expect_near: 
 
 
 def test_target_bound_low_min_ready_takes_a_less_mixed_diet() -> None:
-    """The README's claim: when targets are the bottleneck, 10/30 mixes worse than 30/90.
+    """The user guide's claim (docs/guide/simulate.md): when targets are the bottleneck, 10/30 mixes worse than 30/90.
 
     Three seeds (each its own arrival order and noise), two simulated hours each; the paired gap
     must be positive for every seed and its mean above 3 standard errors of the paired gaps.

@@ -218,3 +218,19 @@ def test_streamed_metrics_equal_run_metrics_over_the_records(overrides: dict) ->
             assert math.isnan(got), key
         else:
             assert got == pytest.approx(want, rel=1e-9, abs=1e-9), key
+
+
+@pytest.mark.slow
+def test_sim_memory_reports_the_childs_own_peak_not_its_parents(tmp_path: Path) -> None:
+    """benchmarks/sim_memory.py's child reads its own VmHWM: a parent holding 700 MB more than the child
+    ever needs does not show up as the child's peak (``ru_maxrss`` carried the parent's size over exec)."""
+    from tests.conftest import load_script
+
+    sim_memory = load_script(ROOT / "benchmarks" / "sim_memory.py")
+    ballast = bytearray(700 * 2**20)  # touched: resident in this (the parent) process
+    ballast[::4096] = b"\x01" * len(ballast[::4096])
+    with open("/proc/self/status") as f:
+        parent_mb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    res = sim_memory.run(sim_memory.EXAMPLE, 60.0, tmp_path / "m.json")
+    del ballast
+    assert 0 < res["peak_mb"] < parent_mb - 500, (res, parent_mb)

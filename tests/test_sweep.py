@@ -181,9 +181,16 @@ def test_grid_prints_the_sensitivity_table_with_named_rows(tmp_path: Path, capsy
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.strip()[:2].isdigit() and "/" in line.split()[0]]
     assert [r.split()[0] for r in rows] == ["10/30", "20/60", "25/75", "30/90", "40/120"]
-    assert "(baseline)" in rows[0] and "(handpicked)" in rows[3]
     assert all(len(r.split("|")) == 3 for r in rows)  # two policy cells per row
     assert "study: 10 complete trials" in out
+    # a named config is one cell (its pair under the default policy), never a whole row: the fullest
+    # column's 10/30 is not baseline, and baseline's cell shows the number of the "same seeds" line below
+    assert rows[0].count("*b") == 1 and rows[0].rstrip().endswith("*b") and rows[3].rstrip().endswith("*h")
+    assert "marked cells: *b baseline (10/30 random_item); *h handpicked (30/90 random_item)" in out
+    for row, name in ((rows[0], "baseline"), (rows[3], "handpicked")):
+        cell_mix = row.split("|")[1].split()[-3]  # the random_item cell: "<mix> ± <se>"
+        line = next(x for x in out.splitlines() if x.strip().startswith(name) and "mix_efficiency" in x)
+        assert f"mix_efficiency {cell_mix} " in line, (row, line)
 
 
 def test_grid_offers_the_autopilot_beside_the_static_pairs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

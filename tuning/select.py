@@ -25,11 +25,20 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from dflash.core.named_configs import NAMED_CONFIGS
+from dflash.core.named_configs import DEFAULT_POLICY, NAMED_CONFIGS
 from tuning.pareto import knee_scores, nondominated
 from tuning.study import feasible
 
 NAMED = NAMED_CONFIGS  # baseline and handpicked (docs/ARCHITECTURE.md), defined once in dflash.core.named_configs
+
+
+def named_params(name: str) -> dict[str, Any]:
+    """What a named config is, whatever a sweep's base queue says: its knobs, the default policy, static.
+
+    A grid's cell of that pair under the default policy runs exactly these parameters, so the grid and
+    the "same seeds" line show one configuration's one number (a base queue of another policy, or
+    ``--queue auto``, once made "baseline" below the grid a different configuration from the grid's)."""
+    return {**NAMED[name], "policy": DEFAULT_POLICY, "mode": "static"}
 SPLIT_KEYS = ("n_target", "n_drafter")  # trial user attributes and selection-entry keys of the split
 
 

@@ -31,7 +31,7 @@ from optuna.trial import TrialState
 
 from dflash.core.config import DflashConfig, QueueConfig
 from dflash.core.errors import ConfigError
-from dflash.core.named_configs import knobs_label
+from dflash.core.named_configs import named_config_of
 from dflash.core.records import clean_json
 from tuning.evaluate import ATTR_METRICS, OBJECTIVES, Evaluation, Evaluator, constraint_values
 from tuning.select import (
@@ -41,6 +41,7 @@ from tuning.select import (
     feasible_front,
     importances,
     knee_order,
+    named_params,
     select_top_k,
     tuned_entries,
     write_selection,
@@ -235,12 +236,12 @@ def evaluate_next_named(cfg: DflashConfig, args: SweepArgs, study: optuna.Study,
     evaluations run in parallel with the last trials instead of after them; results are stored in
     the study (its identity fixes seeds and settings), so a restart does not repeat them.
     """
-    for name, params in NAMED.items():
+    for name in NAMED:
         with study_lock(args.storage, args.study):
             if _named_attr(name) in study.user_attrs:
                 continue
             study.set_user_attr(_named_attr(name), {"claimed_by": f"{HOST}:{os.getpid()}"})
-        ev = evaluator.evaluate(effective_queue(cfg.queue, params))
+        ev = evaluator.evaluate(effective_queue(cfg.queue, named_params(name)))
         study.set_user_attr(_named_attr(name), clean_json(ev.as_json()))
         return True
     return False
@@ -250,10 +251,10 @@ def named_evaluations(cfg: DflashConfig, study: optuna.Study, evaluator: Callabl
                       ) -> dict[str, Evaluation]:
     """The stored named evaluations; one a dead worker claimed but never stored is run here."""
     out = {}
-    for name, params in NAMED.items():
+    for name in NAMED:
         stored = study.user_attrs.get(_named_attr(name), {})
         if "mean" not in stored:
-            ev = evaluator().evaluate(effective_queue(cfg.queue, params))
+            ev = evaluator().evaluate(effective_queue(cfg.queue, named_params(name)))
             study.set_user_attr(_named_attr(name), clean_json(ev.as_json()))
             out[name] = ev
             continue
@@ -526,26 +527,36 @@ def _table(trials: list[optuna.trial.FrozenTrial]) -> str:
 
 
 def format_grid(study: optuna.Study, cfg: DflashConfig) -> str:
-    """The sensitivity table: rows (min_ready, max_depth), columns policies; baseline/handpicked marked."""
+    """The sensitivity table: rows (min_ready, max_depth), columns policies.
+
+    A named config is one cell, not a row: baseline is 10/30 under the default policy only, so the mark
+    sits on that cell (``*b``, ``*h``) and a legend says so; the row's other cells are other policies'."""
     cell: dict[tuple[str, str], optuna.trial.FrozenTrial] = {}
     for t in complete_trials(study):
         cell[(t.params["pair"], t.params["policy"])] = t
     pairs = _grid(cfg)["pair"]
     policies = list(cfg.sweep.grid_policies)
     out = ["sensitivity table: mix_efficiency ± se | tokens/s (mean over seeds)",
-           f"  {'min/max':<18}" + "".join(f"{p:>26}" for p in policies)]
+           f"  {'min/max':<18}" + "".join(f"{p:>29}" for p in policies)]
+    marked = []
     for pair in pairs:
-        label = "auto (autopilot)" if pair == AUTO_PAIR else knobs_label(*(int(x) for x in pair.split("/")))
+        label = "auto (autopilot)" if pair == AUTO_PAIR else pair
         row = f"  {label:<18}"
         for pol in policies:
             t = cell.get((pair, pol))
+            name = None if pair == AUTO_PAIR else named_config_of({**_grid_params(pair, pol)})
+            mark = f" *{name[0]}" if name else "   "
+            if name and t is not None:
+                marked.append(f"*{name[0]} {name} ({pair} {pol})")
             if t is None:
-                row += f"{'-':>26}"
+                row += f"{'-':>26}{mark}"
             else:
                 a = t.user_attrs
                 row += f"{a['mix_efficiency']:>9.3f} ± {_se(a.get('mix_efficiency_se'), 3):>5} | " \
-                       f"{a['throughput_tokens_per_s']:>7,.0f}"
+                       f"{a['throughput_tokens_per_s']:>7,.0f}{mark}"
         out.append(row)
+    if marked:
+        out.append(f"  marked cells: {'; '.join(marked)}: the same runs as the lines below")
     return "\n".join(out)
 
 

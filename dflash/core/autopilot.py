@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.core.config import QueueConfig
+from dflash.core.config import DflashConfig, QueueConfig
 from dflash.core.mixmetrics import entropy, expected_window_entropy
 from dflash.core.policies import NO_HEAD, make_policy
 
@@ -167,26 +167,70 @@ def _interval(values: Sequence[float], z: float) -> tuple[float, float]:
     return mean, mean - z * se
 
 
-class Autopilot:
-    """Feed it puts and takes in order; ask :meth:`decide` between takes.
+@dataclass(frozen=True)
+class AutopilotTuning:
+    """The controller's own constants (the module constants above say why each is what it is); a test
+    may vary one, a run never does."""
 
-    ``mix`` is the item mix p (for the expected window entropy), ``window`` the metrics window W,
-    ``n_target``/``n_drafter`` the workers (for time shares), ``memory_bytes`` an optional byte
-    budget for queued hidden states (with ``max_bytes``, the tighter one holds), ``seed`` seeds the
-    shadow buffers' policy draws.
-    """
+    horizon_windows: int = HORIZON_WINDOWS
+    period_windows: int = PERIOD_WINDOWS
+    replicas: int = REPLICAS
+    step_up: float = STEP_UP
+    step_down: float = STEP_DOWN
+    z: float = Z
+    margin: float = MARGIN
+    max_loss: float = MAX_LOSS
+    first_windows: int = FIRST_WINDOWS
+    dead_band: float = DEAD_BAND
+    smooth: float = SMOOTH
+    plateau: float = PLATEAU
 
-    def __init__(self, config: QueueConfig, mix: Sequence[float], *, window: int = 32, n_target: int = 1,
-                 n_drafter: int = 1, memory_bytes: int | None = None, seed: int = 0,
-                 horizon_windows: int = HORIZON_WINDOWS, period_windows: int = PERIOD_WINDOWS,
-                 replicas: int = REPLICAS, step_up: float = STEP_UP, step_down: float = STEP_DOWN,
-                 z: float = Z, margin: float = MARGIN, max_loss: float = MAX_LOSS,
-                 first_windows: int = FIRST_WINDOWS, dead_band: float = DEAD_BAND, smooth: float = SMOOTH,
-                 plateau: float = PLATEAU) -> None:
-        if window < 2 or horizon_windows < 2 or period_windows < 1 or replicas < 1:
-            raise ValueError("window and horizon_windows must be >= 2, period_windows and replicas >= 1")
-        if not 0 < step_down <= step_up:
+    def __post_init__(self) -> None:
+        if self.horizon_windows < 2 or self.period_windows < 1 or self.replicas < 1:
+            raise ValueError("horizon_windows must be >= 2, period_windows and replicas >= 1")
+        if not 0 < self.step_down <= self.step_up:
             raise ValueError("need 0 < step_down <= step_up")
+
+
+@dataclass(frozen=True)
+class AutopilotConfig:
+    """What the controller is told about the run it steers.
+
+    ``queue`` the starting knobs and their bounds, ``mix`` the item mix p (for the expected window
+    entropy), ``window`` the metrics window W, ``n_target``/``n_drafter`` the workers (for time shares),
+    ``memory_bytes`` an optional byte budget for queued hidden states (with ``max_bytes``, the tighter one
+    holds), ``seed`` seeds the shadow buffers' policy draws. :meth:`for_run` is the one way a run (the
+    simulator, the coordinator) builds it, so both steer with the same facts."""
+
+    queue: QueueConfig
+    mix: Sequence[float]
+    window: int = 32
+    n_target: int = 1
+    n_drafter: int = 1
+    memory_bytes: int | None = None
+    seed: int = 0
+    tuning: AutopilotTuning = AutopilotTuning()
+
+    def __post_init__(self) -> None:
+        if self.window < 2:
+            raise ValueError("window must be >= 2")
+
+    @classmethod
+    def for_run(cls, cfg: DflashConfig, mix: Sequence[float], n_target: int, n_drafter: int,
+                queue: QueueConfig | None = None) -> AutopilotConfig:
+        """A run's autopilot: its queue (or ``queue``, the knobs in force), window, budget and seed."""
+        return cls(queue or cfg.queue, tuple(mix), window=cfg.metrics.window, n_target=n_target, n_drafter=n_drafter,
+                   memory_bytes=queue_memory_budget(cfg.sweep.memory_budget_gib), seed=cfg.seed)
+
+
+class Autopilot:
+    """Feed it puts and takes in order; ask :meth:`decide` between takes (see :class:`AutopilotConfig`)."""
+
+    def __init__(self, setting: AutopilotConfig) -> None:
+        config, mix, window, seed = setting.queue, setting.mix, setting.window, setting.seed
+        n_target, n_drafter, memory_bytes = setting.n_target, setting.n_drafter, setting.memory_bytes
+        tune = setting.tuning
+        horizon_windows, replicas = tune.horizon_windows, tune.replicas
         self.target = config.target_mix_efficiency
         self.limit_depth = config.depth_limit
         self.floor_ready = config.auto_min_ready
@@ -198,10 +242,11 @@ class Autopilot:
         self.n_target, self.n_drafter = n_target, n_drafter
         byte_caps = [b for b in (config.max_bytes, memory_bytes) if b is not None]
         self.byte_limit = min(byte_caps) if byte_caps else None
-        self.horizon, self.period, self.first_windows = horizon_windows, period_windows, first_windows
-        self.dead_band, self.smooth, self.plateau = dead_band, smooth, plateau
+        self.horizon, self.period, self.first_windows = horizon_windows, tune.period_windows, tune.first_windows
+        self.dead_band, self.smooth, self.plateau = tune.dead_band, tune.smooth, tune.plateau
         self.smoothed: float | None = None  # log of the size needed, smoothed over decisions
-        self.step_up, self.step_down, self.z, self.margin, self.max_loss = step_up, step_down, z, margin, max_loss
+        self.step_up, self.step_down, self.z = tune.step_up, tune.step_down, tune.z
+        self.margin, self.max_loss = tune.margin, tune.max_loss
         self.sizes = ladder(self.floor_ready, self.limit_depth)
         rng = random.Random(seed)
         self.shadows = [[ShadowBuffer(size, config.policy, self.mix, window, horizon_windows, self.expected_h,
@@ -341,11 +386,6 @@ class Autopilot:
         self.config = dataclasses.replace(cfg, min_ready=min_ready, max_depth=max_depth)
         self.decisions += 1
         return Decision(t, self.config, change, reason)
-
-    def _rung_below(self, knob: int) -> int:
-        """The largest ladder size below ``knob``: lowering needs a whole rung of room (no dithering)."""
-        below = [k for k in self.sizes if k < knob]
-        return below[-1] if below else self.floor_ready
 
     def _knob_limit(self) -> int:
         """The largest value of the knob within auto_max_depth and the byte limits."""

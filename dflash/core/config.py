@@ -726,13 +726,42 @@ def load_config(path: str | Path | None) -> DflashConfig:
     return config_from_dict(data)
 
 
+class _Unset:
+    """The type of :data:`UNSET` (one instance; it pickles as itself, so a spawned rank keeps it)."""
+
+    _one: _Unset | None = None
+
+    def __new__(cls) -> _Unset:
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()  # an override that unsets an optional key (back to None: no limit, off)
+
+
 def with_overrides(cfg: DflashConfig, overrides: dict[str, Any]) -> DflashConfig:
-    """Apply ``{"queue.min_ready": 10, "seed": 3}``-style overrides and re-validate everything."""
+    """Apply ``{"queue.min_ready": 10, "seed": 3}``-style overrides and re-validate everything.
+
+    Two values say something other than "this value": ``None`` is *no override* (the key keeps what
+    ``cfg`` has; the command line's flag-not-given), and :data:`UNSET` unsets an optional key
+    (``{"train.max_minutes": UNSET}``: no time limit), a ConfigError for a key that has no unset value.
+    Why a marker: with ``None`` alone an override could not turn a limit off, and a caller that meant
+    to was silently ignored.
+    """
     sections: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
     for dotted, value in overrides.items():
         if value is None:
             continue
+        if value is UNSET:
+            value = _unset_value(dotted)
         if "." in dotted:
             sec, key = dotted.split(".", 1)
             sections.setdefault(sec, {})[key] = value
@@ -744,3 +773,14 @@ def with_overrides(cfg: DflashConfig, overrides: dict[str, Any]) -> DflashConfig
         current.update(vals)
         new_sections[sec] = _build_section(sec, current)
     return dataclasses.replace(cfg, **new_sections, **top)
+
+
+def _unset_value(dotted: str) -> None:
+    """None, for a key whose default is None (optional); else a ConfigError naming the key."""
+    sec, _, key = dotted.rpartition(".")
+    cls = SECTIONS.get(sec) if sec else DflashConfig
+    field_ = next((f for f in fields(cls) if f.name == key), None) if cls is not None else None
+    if field_ is None:
+        raise ConfigError(dotted, "unknown key", show_got=False)
+    if field_.default is not None:
+        raise ConfigError(dotted, "cannot be unset: it has no unset value (give a value instead)", show_got=False)

@@ -28,9 +28,3 @@ def named_config_of(queue: Mapping[str, Any] | None) -> str | None:
         if all(queue.get(k) == v for k, v in knobs.items()) and queue.get("policy", DEFAULT_POLICY) == DEFAULT_POLICY:
             return name
     return None
-
-
-def knobs_label(min_ready: int, max_depth: int) -> str:
-    """``10/30 (baseline)``-style label of a min-ready/max-depth pair, marked where it is a named config."""
-    name = named_config_of({"min_ready": min_ready, "max_depth": max_depth})
-    return f"{min_ready}/{max_depth}" + (f" ({name})" if name else "")

@@ -116,10 +116,6 @@ class QueueCore:
     def unblock(self, producer: int) -> None:
         self.blocked.pop(producer, None)
 
-    @property
-    def blocked_bytes(self) -> int:
-        return sum(self.blocked.values())
-
     def try_put(self, item: QueueItem, t: float) -> bool:
         """``fits`` then ``put`` in one call (the uncontended hot path of the threaded queue)."""
         if self.fits(item):

@@ -62,14 +62,6 @@ class RunTrace:
         for row in self.take_rows:
             yield dict(zip(TAKE_FIELDS, row))
 
-    def produce_column(self, name: str) -> list[Any]:
-        i = PRODUCE_FIELDS.index(name)
-        return [row[i] for row in self.produce_rows]
-
-    def take_column(self, name: str) -> list[Any]:
-        i = TAKE_FIELDS.index(name)
-        return [row[i] for row in self.take_rows]
-
     def columns(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """All columns at once (one transpose each, in C)."""
         pc = dict(zip(PRODUCE_FIELDS, zip(*self.produce_rows))) if self.produce_rows else \
@@ -106,6 +98,14 @@ class DepthSeries:
         hit = np.flatnonzero(self.depth >= depth)
         return float(self.t[hit[0]]) if hit.size else None
 
+    def first_time_at_least_schedule(self, schedule: Sequence[tuple[float, int]]) -> float | None:
+        """The first time the depth reaches the threshold in force then (``schedule``: (from time, value))."""
+        times = np.asarray([t for t, _ in schedule], dtype=np.float64)
+        values = np.asarray([v for _, v in schedule], dtype=np.int64)
+        k = np.clip(np.searchsorted(times, self.t, side="right") - 1, 0, len(values) - 1)
+        hit = np.flatnonzero(self.depth >= values[k])
+        return float(self.t[hit[0]]) if hit.size else None
+
     def time_weighted_mean(self, start: float, end: float, values: np.ndarray) -> float:
         """Mean of the step function (value holds until the next change) over [start, end]."""
         if end <= start:
@@ -118,10 +118,24 @@ class DepthSeries:
         return float(np.dot(np.diff(ts), vs) / (end - start))
 
 
-def steady_state_span(series: DepthSeries, min_ready: int, warmup_s: float,
+MinReady = int | Sequence[tuple[float, int]]  # one value, or (time, value) from the start: the knob in force
+
+
+def min_ready_in_force(min_ready: MinReady) -> int:
+    """The knob in force at the end (what the metrics report as ``min_ready``)."""
+    return min_ready if isinstance(min_ready, int) else int(min_ready[-1][1])
+
+
+def steady_state_span(series: DepthSeries, min_ready: MinReady, warmup_s: float,
                       close_t: float) -> tuple[float, float] | None:
-    """(start, end) of the steady state, or None if depth never reached min_ready before close."""
-    first = series.first_time_at_least(min_ready)
+    """(start, end) of the steady state, or None if depth never reached min_ready before close.
+
+    With a schedule (``tune-live`` or the autopilot moved the knob), the span starts the first time the
+    depth reaches the min_ready *in force at that time*, as the simulator's streamed metrics judge it."""
+    if isinstance(min_ready, int):
+        first = series.first_time_at_least(min_ready)
+    else:
+        first = series.first_time_at_least_schedule(min_ready)
     if first is None:
         return None
     start = max(warmup_s, first)
@@ -135,7 +149,7 @@ def clipped(a: Iterable[float], b: Iterable[float], start: float, end: float) ->
     return float(np.clip(hi - lo, 0.0, None).sum())
 
 
-def run_metrics(trace: RunTrace, *, p: Sequence[float], min_ready: int, window: int, warmup_s: float,
+def run_metrics(trace: RunTrace, *, p: Sequence[float], min_ready: MinReady, window: int, warmup_s: float,
                 close_t: float, n_target: int, n_drafter: int, n_buckets: int,
                 open_intervals: Mapping[str, Sequence[tuple[float, float]]] | None = None) -> dict[str, Any]:
     """Every docs/ARCHITECTURE.md metric that the produce and take records determine.
@@ -163,7 +177,7 @@ def run_metrics(trace: RunTrace, *, p: Sequence[float], min_ready: int, window: 
     series = DepthSeries(put_t, nbytes, take_t, take_items, take_bytes, put_after_take=blocked > 0)
     span = steady_state_span(series, min_ready, warmup_s, close_t)
     out: dict[str, Any] = {"steady_state_start_s": None, "steady_state_end_s": close_t,
-                           "window": window, "min_ready": min_ready, "warmup_s": warmup_s}
+                           "window": window, "min_ready": min_ready_in_force(min_ready), "warmup_s": warmup_s}
     if span is None:
         out["steady_state_reached"] = False
         return out

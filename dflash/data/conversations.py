@@ -246,8 +246,9 @@ def load_conversations(path: str | Path, sample: str = "conversation",
     (records without an assistant turn are skipped); ``"first_exchange"`` keeps only records that
     open with a user turn followed by an assistant turn, and only those two turns.
     ``max_conversations``: stop after that many kept conversations (a prefix of the file).
-    The file is read once; damaged records are counted in the stats (and their number printed on
-    stderr), never raised. A file with no usable conversation (empty, all damaged, or none that
+    The file is read once; damaged records are counted in the stats, never raised and never printed:
+    the caller decides whether to say so (:func:`say_damaged`; a rank that re-reads the file a command
+    already described stays quiet). A file with no usable conversation (empty, all damaged, or none that
     fits ``sample``) is a :class:`ConfigError` naming ``workload.dataset``: nothing can train on it.
     """
     p = Path(path)
@@ -259,6 +260,18 @@ def load_conversations(path: str | Path, sample: str = "conversation",
     if not convs:
         raise ConfigError("workload.dataset", f"has no usable conversations for sample = {sample!r} "
                           f"({stats.describe()})", str(path))
-    if stats.broken:
-        print(f"dflash: {p.name}: {stats.broken} damaged record(s) skipped ({stats.describe()})", file=sys.stderr)
     return convs, stats
+
+
+def damaged_line(path: str | Path, stats: ParseStats) -> str | None:
+    """The one line a command says about a data set's damaged records; None when there are none."""
+    if not stats.broken:
+        return None
+    return f"dflash: {Path(path).name}: {stats.broken} damaged record(s) skipped ({stats.describe()})"
+
+
+def say_damaged(path: str | Path, stats: ParseStats) -> None:
+    """:func:`damaged_line` on stderr, if there is one (what a command that reads the data set says once)."""
+    line = damaged_line(path, stats)
+    if line is not None:
+        print(line, file=sys.stderr)

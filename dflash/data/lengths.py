@@ -39,7 +39,7 @@ from dflash.core.config import WorkloadConfig
 from dflash.core.errors import ConfigError
 from dflash.data.cache_dir import default_cache_dir
 from dflash.data.cache_entry import exclusive
-from dflash.data.conversations import Conversation, ParseStats, load_conversations, resolve_dataset
+from dflash.data.conversations import Conversation, ParseStats, load_conversations, resolve_dataset, say_damaged
 from dflash.data.model_source import file_id, load_tokenizer, model_identity
 
 LENGTHS_FORMAT = 2  # bump when rendering or counting changes: old cache files stop matching
@@ -259,6 +259,7 @@ def _tokenise_and_store(workload: WorkloadConfig, model: str, mid: Mapping[str, 
     sample, max_conv = workload.sample, workload.max_conversations
     key = cache.key(data_path, tid, sample, max_conv)
     convs, stats = load_conversations(data_path, sample, max_conv)  # none usable: a one-line ConfigError
+    say_damaged(data_path, stats)
     if tok is None:
         tok = load_tokenizer(model, cache.dir)
         fresh = tokenizer_identity(tok, model)

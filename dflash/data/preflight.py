@@ -9,7 +9,7 @@ so such input is one line (a :class:`~dflash.core.errors.ConfigError`) before an
 from __future__ import annotations
 
 from dflash.core.config import WorkloadConfig
-from dflash.data.conversations import ParseStats, load_conversations, resolve_dataset
+from dflash.data.conversations import ParseStats, load_conversations, resolve_dataset, say_damaged
 from dflash.data.model_source import check_model
 
 
@@ -19,8 +19,10 @@ def check_data_inputs(workload: WorkloadConfig, model: str) -> ParseStats:
     Raises ConfigError naming ``target.model`` (a path that names nothing, a file that is no model,
     a directory without a config or weights, a hub id whose config cannot be fetched) or
     ``workload.dataset`` (missing, unreadable, no usable conversation); damaged records are counted
-    and their number printed on stderr by :func:`load_conversations`.
+    and said once, here (the ranks that read the file again stay quiet).
     """
     check_model(model)
-    _, stats = load_conversations(resolve_dataset(workload.dataset, model), workload.sample, workload.max_conversations)
+    path = resolve_dataset(workload.dataset, model)
+    _, stats = load_conversations(path, workload.sample, workload.max_conversations)
+    say_damaged(path, stats)
     return stats

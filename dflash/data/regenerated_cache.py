@@ -33,7 +33,7 @@ from dflash.data.cache_dir import default_cache_dir
 FORMAT = "dflash-regenerate/1"  # the sidecar's format tag (dflash.regenerate writes it)
 SUBDIR = "regenerated"
 PACKAGED_TARGET = "smollm2"
-RATE_PROMPTS_PER_S = 0.42  # measured: packaged SmolLM2, 2 CPU cores, batch 8 (README)
+RATE_PROMPTS_PER_S = 0.42  # measured: packaged SmolLM2, 2 CPU cores, batch 8 (benchmarks/RESULTS.md)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 

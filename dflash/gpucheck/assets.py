@@ -3,7 +3,6 @@ and the TOML of each run it starts (sizes small enough for the time box on the d
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 from dataclasses import dataclass
@@ -123,7 +122,7 @@ def learning_config(path: Path, plan: Plan, s: Shape, *, model: str, data: str, 
     """The learning profile (examples/gpu-smollm2-learning.toml) for this check: its drafter shape and held-out
     metric on a GPU, on ``data``'s first ``n_train`` conversations (the rest stay held out for eval), time-boxed
     by ``--minutes`` instead of its epochs; on ``--cpu`` the shape is cut to the tiny random target's size."""
-    from dflash.core.config import config_to_toml, load_config, with_overrides
+    from dflash.core.config import UNSET, config_to_toml, load_config, with_overrides
 
     over: dict[str, Any] = {
         "workload.dataset": data, "workload.max_conversations": n_train, "target.model": model,
@@ -140,7 +139,6 @@ def learning_config(path: Path, plan: Plan, s: Shape, *, model: str, data: str, 
                      "metrics.window": s.window})
     if plan.random_arch:
         over["target.capture_layers"] = s.capture_layers
-    cfg = with_overrides(load_config(LEARNING_PROFILE), over)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=None))  # None is no override
+    cfg = with_overrides(load_config(LEARNING_PROFILE), {**over, "train.epochs": UNSET})
     path.write_text(config_to_toml(cfg))
     return path

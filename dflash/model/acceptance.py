@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from dflash.core.stats import ratio_bootstrap_ci
-from dflash.data.conversations import Conversation, load_conversations, resolve_dataset
+from dflash.data.conversations import Conversation, load_conversations, resolve_dataset, say_damaged
 
 EosLike = int | Collection[int] | None
 
@@ -536,7 +536,9 @@ def heldout_prompts(tokenizer: Any, n: int, seed: int = 0, sample: str = "first_
     ``max_prompt_tokens`` (:func:`render_prompt`). The choice is deterministic in ``seed`` and
     skips ``skip_ids`` (conversation ids a training run used).
     """
-    convs, _ = load_conversations(resolve_dataset(str(dataset)), sample, max_conversations)
+    path = resolve_dataset(str(dataset))
+    convs, stats = load_conversations(path, sample, max_conversations)
+    say_damaged(path, stats)
     chosen = select_heldout(convs, n, seed, skip_ids)
     return [render_prompt(tokenizer, c, max_prompt_tokens) for c in chosen]
 

@@ -89,9 +89,14 @@ class _Request:
 
 @dataclass
 class Coordinator:
-    """Pure decisions of the distributed queue (not thread-safe: the caller serialises access)."""
+    """Pure decisions of the distributed queue (not thread-safe: the caller serialises access).
 
-    config: QueueConfig
+    ``start_config`` is the knobs the run starts with; the knobs *in force* are :attr:`config`, which
+    reads them from the one :class:`QueueCore` that decides with them. A live change (``tune-live``) and
+    an autopilot decision both go through :meth:`reconfigure`, so there is no second copy to keep in step:
+    the service, its checkpoints, the run's metrics and its summary all read :attr:`config`."""
+
+    start_config: QueueConfig
     n_buckets: int
     n_producers: int
     n_drafters: int
@@ -111,9 +116,11 @@ class Coordinator:
     # put and take and may change the knobs between takes; its decisions wait in ``controls`` for the caller
     autopilot: Autopilot | None = None
     controls: list[dict[str, Any]] = field(default_factory=list)
+    history: list[tuple[float, QueueConfig]] = field(default_factory=list)  # (from time, knobs): every change
 
     def __post_init__(self) -> None:
-        self.core = QueueCore(self.config, self.n_buckets, mix=self.mix, seed=self.seed)
+        self.core = QueueCore(self.start_config, self.n_buckets, mix=self.mix, seed=self.seed)
+        self.history = [(0.0, self.start_config)]
         self.resident = [0] * self.n_producers
 
     # ---------------------------------------------------------------- producers
@@ -220,13 +227,23 @@ class Coordinator:
         self.autopilot.observe_take(t, bucket, n_items, wait_s)
         decision = self.autopilot.decide(t, QueueState(self.core.depth, self.core.queued_bytes, len(self.blocked)))
         if decision is not None:
-            self.reconfigure(decision.config)
+            self.reconfigure(decision.config, t)
             self.controls.append(decision.record())
 
     # ---------------------------------------------------------------- stopping and re-tuning
-    def reconfigure(self, config: QueueConfig) -> None:
-        self.config = config
+    @property
+    def config(self) -> QueueConfig:
+        """The queue's knobs in force (their one home: the core decides with them)."""
+        return self.core.config
+
+    def reconfigure(self, config: QueueConfig, t: float) -> None:
+        """New knobs in force from time ``t`` on (between takes)."""
         self.core.reconfigure(config)
+        self.history.append((t, config))
+
+    def min_ready_schedule(self) -> list[tuple[float, int]]:
+        """(from time, min_ready) of this session: what the run's steady-state span is judged by."""
+        return [(t, c.min_ready) for t, c in self.history]
 
     def stop(self) -> tuple[list[QueueItem], list[Action]]:
         """End the run: queued and blocked items are discarded (returned), waiting drafters get NoWork."""

@@ -41,11 +41,11 @@ class DrafterLoop:
         self.held_s = 0.0  # time spent holding between validation blocks (not training time)
         self.hold = _hold_watch(self.ctx.out) if self.host else None
         self.eval_skip_said = False  # train.eval_every on a placement it cannot run on: said once
-        self.quality = None  # train.quality_every: the held-out metric (dflash.pipeline.quality), host rank
+        self.heldout = None  # train.quality_every: the held-out metric (dflash.pipeline.heldout), host rank
         if self.host and self.cfg.train.quality_every is not None:
-            from dflash.pipeline.quality import QualityScorer
+            from dflash.pipeline.heldout import HeldoutScorer
 
-            self.quality = QualityScorer(self.ctx, dc.corpus, dc.drafter)
+            self.heldout = HeldoutScorer(self.ctx, dc.corpus, dc.drafter)
 
     def run(self) -> None:
         dc, ctx, w, train = self.dc, self.ctx, self.worker, self.cfg.train
@@ -83,8 +83,8 @@ class DrafterLoop:
                 skipped = info.pop("skipped")  # no anchor in any take: not a step (the same number again)
                 if self.host and not skipped and train.eval_every and (step + 1) % train.eval_every == 0:
                     info["eval"] = self.evaluate(step, wb)  # into this step's record
-                if self.quality is not None and not skipped and self.quality.due(step):
-                    info["heldout"] = self.quality.score(step, wb)
+                if self.heldout is not None and not skipped and self.heldout.due(step):
+                    info["heldout"] = self.heldout.score(step, wb)
                 ctx.channel.send(Done(step, os.getpid(), tuple(res.takes), res.stages, info if self.host else None,
                                       ctx.gpu_samples(), skipped))
                 if skipped:
@@ -182,9 +182,10 @@ class DrafterLoop:
                    **{f"stage/{k.removesuffix('_s')}_mean": tot / n for k, (tot, n) in self.stage_totals.items()
                       if n}, **service.last_telemetry}
         mix = service.mix.metrics()
+        per_take = service.queue.items_per_take
         window = self.cfg.metrics.window
         if mix["mix_items"] < window:  # a rolling metric exists once a window of items was taken
-            mix_txt = f"n/a (needs {math.ceil(window / self.cfg.queue.items_per_take)} takes)"
+            mix_txt = f"n/a (needs {math.ceil(window / per_take)} takes)"
         elif math.isfinite(mix["mix_efficiency"]):
             metrics.update({f"rolling/{k}": v for k, v in mix.items() if k != "mix_items"})
             mix_txt = f"{mix['mix_efficiency']:.3f}"
@@ -251,7 +252,9 @@ class DrafterLoop:
         service, sampler, out = dc.host_service, dc.corpus.sampler, ctx.out
         summary = service.join(ctx.wait_s)
         trace = RunTrace.from_records(list(read_records(out, "produce")), list(read_records(out, "take")))
-        metrics = run_metrics(trace, p=sampler.item_mix(), min_ready=cfg.queue.min_ready, window=cfg.metrics.window,
+        # the knobs in force (tune-live and the autopilot move them), not the ones the run started with
+        metrics = run_metrics(trace, p=sampler.item_mix(), min_ready=service.coord.min_ready_schedule(),
+                              window=cfg.metrics.window,
                               warmup_s=cfg.metrics.warmup_s, close_t=service.close_t, n_target=roles.n_target,
                               n_drafter=roles.n_drafter, n_buckets=sampler.n_buckets)
         step_losses = [r.get("loss") for r in read_records(out, "step")]

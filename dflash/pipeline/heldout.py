@@ -1,4 +1,8 @@
-"""The held-out quality metric in the rank job (``[train] quality_every``; the metric: dflash.model.heldout).
+"""The held-out metric in the rank job (``[train] quality_every``; the metric itself: dflash.model.heldout).
+
+One name: the metric, its records (``heldout`` in step records, ``dflash eval --json`` and W&B), and the
+code that computes it are *held-out*; only the published config keys that schedule it keep the word
+quality (``quality_every``, ``quality_per_bucket``, ``quality_anchors``).
 
 Who does what, and why:
 - The sampler (every rank forms it from the config) holds the sequences out of every item, so no rank
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +31,10 @@ from dflash.pipeline.context import Corpus, RankContext
 if TYPE_CHECKING:
     from dflash.core.config import DflashConfig
     from dflash.model.drafter import DFlashDrafter
+    from dflash.model.heldout import HeldoutStates
     from dflash.model.target import HiddenStateCapture
     from dflash.pipeline.telemetry import WandbLogger
+    from dflash.pipeline.training_data import TrainingData
 
 HELDOUT_JSON = "heldout.json"
 STATES_FILE = Path("heldout") / "states.pt"
@@ -44,30 +50,50 @@ def heldout_description(cfg: DflashConfig, corpus: Corpus) -> dict[str, Any]:
             "model": cfg.target.model, "layer_ids": list(corpus.layer_ids)}
 
 
-def _fingerprint(cfg: DflashConfig, corpus: Corpus) -> str:
+def ensure_states(path: Path, per_bucket: Sequence[Sequence[int]], model: str, layer_ids: Sequence[int], *,
+                  data: Callable[[], TrainingData], target_model: Any, capture: HiddenStateCapture,
+                  device: torch.device, state_dtype: torch.dtype, keep: bool,
+                  status: Callable[[str], None] = lambda _m: None) -> tuple[HeldoutStates, str]:
+    """The held-out set's target states, from the one place both users get them (the first target rank
+    before it produces, with ``keep``; ``dflash eval`` for a run, without): the file at ``path`` when its
+    fingerprint (sequences, model, captured layers) matches, else computed from ``data()`` now (and
+    written to ``path`` when ``keep``). Returns the states and ``"kept"`` or ``"computed"``."""
+    from dflash.model.heldout import load_heldout, prepare_heldout, save_heldout
+
+    fp = _fingerprint(per_bucket, model, layer_ids)
+    states = load_heldout(path, fp) if path.exists() else None
+    if states is not None:
+        return states, "kept"
+    status("computing the held-out set's target states")
+    t0 = time.perf_counter()
+    states = prepare_heldout(target_model, capture, heldout_sequences(data(), per_bucket), len(per_bucket), device,
+                             state_dtype)
+    if keep:
+        save_heldout(path, states, fp)
+    status(f"held-out states: {len(states.sequences)} sequences in {time.perf_counter() - t0:.1f} s")
+    return states, "computed"
+
+
+def _fingerprint(per_bucket: Sequence[Sequence[int]], model: str, layer_ids: Sequence[int]) -> str:
     from dflash.model.heldout import heldout_fingerprint
 
-    return heldout_fingerprint([i for b in corpus.sampler.heldout for i in b], cfg.target.model,
-                               list(corpus.layer_ids))
+    return heldout_fingerprint([i for b in per_bucket for i in b], model, list(layer_ids))
+
+
+def states_fingerprint(cfg: DflashConfig, corpus: Corpus) -> str:
+    """The fingerprint of a rank job's held-out states (what :func:`ensure_states` checks)."""
+    return _fingerprint(corpus.sampler.heldout, cfg.target.model, corpus.layer_ids)
 
 
 def prepare_on_target(ctx: RankContext, corpus: Corpus, capture: HiddenStateCapture, state_dtype: torch.dtype) -> None:
     """First target rank, before producing: the held-out states, unless the run already keeps them."""
-    from dflash.model.heldout import load_heldout, prepare_heldout, save_heldout
-
     cfg = ctx.cfg
     if cfg.train.quality_every is None or ctx.roles.rank != 0:
         return
-    path, fp = ctx.out / STATES_FILE, _fingerprint(cfg, corpus)
     (ctx.out / HELDOUT_JSON).write_text(json.dumps(heldout_description(cfg, corpus), indent=1))
-    if path.exists() and load_heldout(path, fp) is not None:
-        return
-    ctx.status("computing the held-out set's target states")
-    t0 = time.perf_counter()
-    states = prepare_heldout(corpus.target.model, capture, heldout_sequences(corpus.data, corpus.sampler.heldout),
-                             len(corpus.sampler.heldout), ctx.device, state_dtype)
-    save_heldout(path, states, fp)
-    ctx.status(f"held-out states: {len(states.sequences)} sequences in {time.perf_counter() - t0:.1f} s")
+    ensure_states(ctx.out / STATES_FILE, corpus.sampler.heldout, cfg.target.model, corpus.layer_ids,
+                  data=lambda: corpus.data, target_model=corpus.target.model, capture=capture, device=ctx.device,
+                  state_dtype=state_dtype, keep=True, status=ctx.status)
 
 
 def heldout_sequences(data: Any, per_bucket: Any) -> Iterator[tuple[int, str, int, torch.Tensor, torch.Tensor]]:
@@ -78,7 +104,7 @@ def heldout_sequences(data: Any, per_bucket: Any) -> Iterator[tuple[int, str, in
             yield index, str(data.conversations[index].id), bucket, ids, lm
 
 
-class QualityScorer:
+class HeldoutScorer:
     """Host drafter rank: scores the drafter on the kept held-out states every ``quality_every`` steps."""
 
     def __init__(self, ctx: RankContext, corpus: Corpus, drafter: DFlashDrafter) -> None:
@@ -93,7 +119,7 @@ class QualityScorer:
         from dflash.model.heldout import load_heldout
 
         if self.states is None:
-            path, fp = self.ctx.out / STATES_FILE, _fingerprint(self.ctx.cfg, self.corpus)
+            path, fp = self.ctx.out / STATES_FILE, states_fingerprint(self.ctx.cfg, self.corpus)
             deadline = time.perf_counter() + self.wait_s
             while (got := load_heldout(path, fp)) is None:  # the target rank writes it before producing
                 if time.perf_counter() > deadline:
@@ -115,7 +141,7 @@ class QualityScorer:
             wb.log({"heldout/loss": res["loss"], "heldout/acceptance": res["acceptance"], "heldout/tau": res["tau"],
                     **{f"heldout/acceptance/bucket_{b['bucket']}": b["acceptance"] for b in res["per_bucket"]
                        if b["acceptance"] is not None}}, step=step)
-        ctx.progress(f"held-out after step {step + 1}: {quality_line(res)}")
+        ctx.progress(f"held-out after step {step + 1}: {heldout_line(res)}")
         return res
 
 
@@ -123,7 +149,7 @@ def _ci(v: Any) -> str:
     return f"[{v[0]:.3f}, {v[1]:.3f}]" if v else "[n/a]"
 
 
-def quality_line(h: dict[str, Any]) -> str:
+def heldout_line(h: dict[str, Any]) -> str:
     """One line of a ``heldout`` object: acceptance and loss with intervals, acceptance per bucket."""
     if h.get("acceptance") is None:
         return "no held-out block"
@@ -131,3 +157,4 @@ def quality_line(h: dict[str, Any]) -> str:
     return (f"tau {h['tau']:.3f} {_ci(h.get('tau_ci'))}  acceptance {h['acceptance']:.3f} "
             f"{_ci(h.get('acceptance_ci'))}  loss {h['loss']:.4f} "
             f"{_ci(h.get('loss_ci'))}  per bucket [{per}]  ({h['sequences']} sequences, {h['blocks']} blocks)")
+

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import math
 import os
 import signal
 import socket
@@ -318,7 +317,7 @@ class RankRun:
 
     # ------------------------------------------------------------------ target
     def _run_producer(self) -> None:
-        from dflash.pipeline.quality import prepare_on_target
+        from dflash.pipeline.heldout import prepare_on_target
 
         # train.quality_every: the held-out set's states, once, before producing
         prepare_on_target(self.ctx, self.corpus, self.capture, self.state_dtype)
@@ -374,10 +373,6 @@ def _reachable_address() -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.gethostname()
-
-
-def finite(x: float) -> bool:
-    return isinstance(x, float) and math.isfinite(x)
 
 
 __all__ = ["RANKS_DIR", "Channel", "RankRun", "RunSpec", "rank_main"]

@@ -18,9 +18,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dflash.core.config import DflashConfig, with_overrides
+from dflash.core.config import DflashConfig, QueueConfig, with_overrides
 from dflash.core.errors import ConfigError
 from dflash.core.queue_core import QueueItem
 from dflash.core.records import RecordWriter
@@ -32,6 +32,9 @@ from dflash.pipeline.coordinator import Admit, Assignment, Coordinator, NoWork
 from dflash.pipeline.faults import fault
 from dflash.pipeline.ledger import Ledger
 from dflash.pipeline.roles import Roles
+
+if TYPE_CHECKING:
+    from dflash.core.autopilot import Autopilot
 
 CONTROL_POLL_S = 0.25  # how often the control file is read (between takes)
 
@@ -98,8 +101,6 @@ class CoordinatorService:
     def __init__(self, cfg: DflashConfig, roles: Roles, sampler: Sampler, out: Path, run_id: str, *,
                  resume: ResumeState, wait_s: float, progress: Callable[[str], None]) -> None:
         if resume.queue_config is not None:
-            from dflash.core.config import QueueConfig
-
             cfg = dataclasses.replace(cfg, queue=QueueConfig(**resume.queue_config))
         self.cfg, self.roles, self.out, self.wait_s, self.progress = cfg, roles, out, wait_s, progress
         self.sampler = sampler
@@ -145,12 +146,18 @@ class CoordinatorService:
         self._parked: list[int] = []  # producers waiting for their admit while paused
         self._computing: set[int] = set()  # producers admitted to compute an item not yet reported ready
 
-    def _new_autopilot(self, cfg: DflashConfig) -> Any:
-        from dflash.core.autopilot import Autopilot, queue_memory_budget
+    def _new_autopilot(self, cfg: DflashConfig) -> Autopilot:
+        from dflash.core.autopilot import Autopilot, AutopilotConfig
 
-        return Autopilot(cfg.queue, self.sampler.item_mix(), window=cfg.metrics.window, n_target=self.roles.n_target,
-                         n_drafter=self.roles.n_drafter, memory_bytes=queue_memory_budget(cfg.sweep.memory_budget_gib),
-                         seed=cfg.seed)
+        return Autopilot(AutopilotConfig.for_run(cfg, self.sampler.item_mix(), self.roles.n_target,
+                                                 self.roles.n_drafter))
+
+    @property
+    def queue(self) -> QueueConfig:
+        """The queue's knobs in force (live changes and autopilot decisions included): every reader of the
+        knobs (checkpoints, live changes, the run's metrics and summary) asks here. ``cfg.queue`` is only
+        where the run (or this session, after a resume) started."""
+        return self.coord.config
 
     def _write_decisions(self) -> None:
         """The autopilot's changes since the last look, as control records with their reasons."""
@@ -159,7 +166,6 @@ class CoordinatorService:
             self.records.write("control", t=rec.pop("t"), step=None, **rec)
             self.progress(f"queue autopilot: {rec['change']} ({rec['reason'].get('rule', 'decision')})")
         self.coord.controls.clear()
-        self.cfg = dataclasses.replace(self.cfg, queue=self.coord.config)  # checkpoints keep the knobs it set
 
     # ------------------------------------------------------------------ lifecycle
     def now(self) -> float:
@@ -375,7 +381,8 @@ class CoordinatorService:
                                    "max_item_age_s": list(c.per_bucket_max_age_s),
                                    "producer_blocked_s": self.producer_blocked_s,
                                    "drafter_wait_s": self.drafter_wait_s},
-                   "ranks": {"targets": self.roles.target_ranks, "drafters": self.roles.drafter_ranks}}
+                   "ranks": {"targets": self.roles.target_ranks, "drafters": self.roles.drafter_ranks},
+                   "queue": dict(self.queue.__dict__)}  # the knobs in force at the end
         self.summary = summary
 
     # ------------------------------------------------------------------ checkpoints
@@ -391,7 +398,7 @@ class CoordinatorService:
                 self._lock.wait(0.5)
             self.ledger.sync()
             return {"t": self.now(), "feed": self.feed.state(), "queue_core": self.coord.core.state_dict(),
-                    "queue_config": dict(self.cfg.queue.__dict__), "control_serial": self.control.serial,
+                    "queue_config": dict(self.queue.__dict__), "control_serial": self.control.serial,
                     "autopilot": None if self.coord.autopilot is None else self.coord.autopilot.state_dict(),
                     "ledger_step": step,
                     "trained": self.before["trained"] + self.trained,
@@ -432,7 +439,7 @@ class CoordinatorService:
     # ------------------------------------------------------------------ live re-tuning
     def _write_control_start(self) -> None:
         self.records.write("control", t=self.now(), accepted=True, step=None,
-                           change={"start": dict(self.cfg.queue.__dict__)},
+                           change={"start": dict(self.queue.__dict__)},
                            reason="resumed queue config" if self.before["trained"] else "initial queue config")
 
     def _apply_control(self, step: int | None, at_start: bool = False) -> None:
@@ -450,9 +457,10 @@ class CoordinatorService:
             if not isinstance(change, dict) or not change:
                 raise ConfigError("control", "must hold a non-empty 'queue' table", change)
             overrides = {f"queue.{k}": v for k, v in change.items()}
-            if self.cfg.queue.mode == "auto" and "mode" not in change:
+            if self.queue.mode == "auto" and "mode" not in change:
                 overrides["queue.mode"] = "static"  # a person set the knobs: the run is manual from here
-            cfg = with_overrides(self.cfg, overrides)
+            in_force = dataclasses.replace(self.cfg, queue=self.queue)  # judged against the knobs in force
+            cfg = with_overrides(in_force, overrides)
         except (ConfigError, TypeError, ValueError) as exc:
             reason = exc.line() if isinstance(exc, ConfigError) else f"control: {exc}"
             self.records.write("control", t=self.now(), accepted=False, change=rejected_change(change), step=step,
@@ -465,8 +473,7 @@ class CoordinatorService:
         elif cfg.queue.mode != "auto" and self.coord.autopilot is not None:
             self.coord.autopilot = None
             self.progress("queue autopilot: off, the knobs are manual now (tune-live --queue auto hands them back)")
-        self.cfg = cfg
-        self.coord.reconfigure(cfg.queue)
+        self.coord.reconfigure(cfg.queue, self.now())
         self.records.write("control", t=self.now(), accepted=True, change=change, step=step, serial=ctl["serial"],
                            queue=dict(cfg.queue.__dict__), applied=when)
         self.progress(f"live change #{ctl['serial']} applied {when}: {change}")

@@ -10,8 +10,6 @@ Parts:
 
 - :class:`NvmlSampler`: background thread sampling per-GPU utilisation, memory, power, temperature
   and SM clock every ``interval_s``; :func:`gpu_metrics` turns drained samples into ``gpu/<i>/...``.
-- :class:`StageTimer`: per-stage durations since the last flush; ``metrics()`` gives
-  ``stage/<name>_mean`` and ``stage/<name>_p95`` (and resets).
 - :class:`RollingMix`: docs/ARCHITECTURE.md's mix metrics (:func:`dflash.core.mixmetrics.mix_metrics`) over the
   last N taken items.
 - :class:`WandbLogger`: ``offline`` (default; ``wandb sync DIR`` uploads later), ``online`` or
@@ -20,17 +18,14 @@ Parts:
 Example, the trainer's side (one logging interval)::
 
     gpus = NvmlSampler(interval_s=5, clock=queue.now, warn=progress).start()
-    stages = StageTimer()
     mix = RollingMix(p=sampler.item_mix(), window=cfg.metrics.window)
     wb = WandbLogger(mode, out_dir, config=cfg.to_dict(), run_name=run_id, warn=progress)
     ...                                     # in the loops:
-    with stages.stage("backward"):          # or stages.add("target_forward", dt) from a target thread
-        loss.backward()
     mix.add_take(entry.bucket, [i.padded_len for i in items])   # per take, in take order
     ...                                     # every log interval:
     now = queue.now()
     m = {"loss": loss, "lr": lr, "tokens_per_s": tok_s, "samples_per_s": smp_s,
-         **mix.metrics(), **stages.metrics(), **gpu_metrics(gpus.drain())}
+         **mix.metrics(), **gpu_metrics(gpus.drain())}
     records.write("step", t=now, step=step, ..., telemetry=m)   # same values in the local records
     wb.log(m, step=step)
     ...
@@ -48,7 +43,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -271,46 +266,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-class StageTimer:
-    """Durations per named stage since the last :meth:`summary`; safe to use from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._times: dict[str, list[float]] = {}
-
-    def add(self, name: str, seconds: float) -> None:
-        with self._lock:
-            self._times.setdefault(name, []).append(float(seconds))
-
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        """``with timer.stage("backward"): ...`` adds the block's wall time (also when it raises)."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - t0)
-
-    def summary(self, reset: bool = True) -> dict[str, dict[str, float]]:
-        """``{name: {"mean", "p95", "n", "total"}}`` (seconds) since the last reset, then reset."""
-        with self._lock:
-            times = self._times
-            if reset:
-                self._times = {}
-            else:
-                times = {k: list(v) for k, v in times.items()}
-        return {name: {"mean": sum(v) / len(v), "p95": percentile(v, 95.0), "n": len(v), "total": sum(v)}
-                for name, v in sorted(times.items()) if v}
-
-    def metrics(self, prefix: str = "stage/", reset: bool = True) -> dict[str, float]:
-        """The summary flattened for logging: ``stage/<name>_mean`` and ``stage/<name>_p95``."""
-        out: dict[str, float] = {}
-        for name, s in self.summary(reset).items():
-            out[f"{prefix}{name}_mean"] = s["mean"]
-            out[f"{prefix}{name}_p95"] = s["p95"]
-        return out
 
 
 # ====================================================================== rolling mix

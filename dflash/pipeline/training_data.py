@@ -8,8 +8,6 @@ prompts). Encodings are cached per sequence (a producer forms each item once; a 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import threading
 from typing import Any
 
@@ -29,9 +27,9 @@ class TrainingData:
         if conversations is None:
             path = resolve_dataset(w.dataset, cfg.target.model)
             # Every rank (and every block's job) reads the file: the command that started them has said
-            # what it holds (damaged records included) once; a rank repeating it on stderr is noise.
-            with contextlib.redirect_stderr(io.StringIO()):
-                conversations, _ = load_conversations(path, w.sample, w.max_conversations)
+            # what it holds (damaged records included) once, so a rank says nothing (load_conversations
+            # never prints).
+            conversations, _ = load_conversations(path, w.sample, w.max_conversations)
         self.conversations = conversations
         self.tokenizer = tokenizer
         self.max_len = w.max_len

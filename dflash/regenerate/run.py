@@ -21,7 +21,7 @@ from typing import Any
 
 from dflash.core.config import DATASET_AUTO, DATASET_PACKAGED, DflashConfig
 from dflash.core.errors import ConfigError
-from dflash.data.conversations import load_conversations, resolve_dataset
+from dflash.data.conversations import load_conversations, resolve_dataset, say_damaged
 from dflash.data.regenerated_cache import publish, start_work
 from dflash.regenerate.options import Options, options_from
 from dflash.regenerate.progress import Progress
@@ -94,6 +94,7 @@ def plan_run(opts: Options, cfg: DflashConfig, source: Path | None = None) -> Pl
     with other settings. Writes nothing."""
     data_path = resolve_dataset(prompt_dataset(cfg.workload.dataset), cfg.target.model)
     convs, stats = load_conversations(data_path, "conversation", cfg.workload.max_conversations)
+    say_damaged(data_path, stats)
     sources, ineligible = prompt_sources(convs, opts.turns)
     if not sources:
         raise ConfigError("workload.dataset", "has no record that opens with a user turn (nothing to regenerate)",

@@ -42,10 +42,10 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     print(f"acceptance rate per block position 1..{res['block_size'] - 1}: {rates}")
     held = heldout_score(run_dir, run_cfg, target, drafter)
     if held is not None:
-        from dflash.pipeline.quality import quality_line
+        from dflash.pipeline.heldout import heldout_line
 
         res["heldout"] = held
-        print(f"held-out ({held['states']} target states, run's heldout.json): {quality_line(held)}")
+        print(f"held-out ({held['states']} target states, run's heldout.json): {heldout_line(held)}")
     text = json.dumps(clean_json(res), indent=1)
     for out in dict.fromkeys([run_dir / "eval.json", *([Path(args.json)] if args.json else [])]):
         print(f"eval: {atomic_write_text(out, text)}")
@@ -64,9 +64,9 @@ def heldout_score(run_dir: Path, cfg: DflashConfig, target: object, drafter: obj
     import torch
 
     from dflash.core.precision import state_dtype_name
-    from dflash.model.heldout import heldout_fingerprint, load_heldout, prepare_heldout, score_heldout
+    from dflash.model.heldout import score_heldout
     from dflash.model.target import HiddenStateCapture
-    from dflash.pipeline.quality import HELDOUT_JSON, STATES_FILE, heldout_sequences
+    from dflash.pipeline.heldout import HELDOUT_JSON, STATES_FILE, ensure_states
     from dflash.pipeline.training_data import TrainingData
 
     path = run_dir / HELDOUT_JSON
@@ -75,15 +75,12 @@ def heldout_score(run_dir: Path, cfg: DflashConfig, target: object, drafter: obj
     desc = json.loads(path.read_text())
     per_bucket = [list(b) for b in desc["per_bucket"]]
     layers = list(drafter.spec.target_layer_ids)  # type: ignore[attr-defined]
-    fp = heldout_fingerprint([i for b in per_bucket for i in b], cfg.target.model, layers)
-    states, how = load_heldout(run_dir / STATES_FILE, fp), "kept"
-    if states is None:
-        device = next(target.model.parameters()).device  # type: ignore[attr-defined]
-        data = TrainingData(cfg, target.tokenizer)  # type: ignore[attr-defined]
-        states = prepare_heldout(target.model, HiddenStateCapture(target.model, layers),  # type: ignore[attr-defined]
-                                 heldout_sequences(data, per_bucket), len(per_bucket), device,
-                                 getattr(torch, state_dtype_name(device.type)))
-        how = "computed"
+    device = next(target.model.parameters()).device  # type: ignore[attr-defined]
+    states, how = ensure_states(run_dir / STATES_FILE, per_bucket, cfg.target.model, layers,
+                                data=lambda: TrainingData(cfg, target.tokenizer),  # type: ignore[attr-defined]
+                                target_model=target.model,  # type: ignore[attr-defined]
+                                capture=HiddenStateCapture(target.model, layers),  # type: ignore[attr-defined]
+                                device=device, state_dtype=getattr(torch, state_dtype_name(device.type)), keep=False)
     res = score_heldout(drafter, states, anchors=int(desc.get("anchors") or cfg.train.quality_anchors),
                         seed=cfg.seed)  # seed: the intervals' bootstrap, as the rank's scorer seeds it
     return {**res, "states": how, "ids": len(desc.get("ids") or [])}
