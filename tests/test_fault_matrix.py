@@ -60,7 +60,10 @@ def fault_case(tmp_path: Path, inputs: dict, site: str, n: int, n_drafter: int) 
     assert [s for s, _ in ledger] == list(range(STEPS))
     ids = [i for _, items in ledger for i in items]
     assert len(ids) == len(set(ids)) and ids, "an item was trained twice (or none was)"
-    return {"rank": rank, "stop_s": stop_s, "first_s": first_s, "resume_s": resume_s}
+    got = {"site": site, "n_drafter": n_drafter, "rank": rank, "stop_s": round(stop_s, 1),
+           "failed_job_s": round(first_s, 1), "resume_s": round(resume_s, 1)}
+    print(f"fault case {got}")  # the figures the report states (pytest -s)
+    return got
 
 
 def test_a_fault_in_the_producers_reader_thread_stops_the_job_names_the_rank_and_resumes(tmp_path, run_inputs):  # noqa: F811
