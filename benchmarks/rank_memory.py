@@ -32,11 +32,11 @@ if str(ROOT) not in sys.path:
 
 SHAPES: dict[str, dict[str, int]] = {
     # hidden, layers, heads, kv heads, MLP width, vocab; item: seqs x max_len; drafter: anchors, block, layers
-    "small": dict(hidden=128, layers=4, heads=4, kv=2, inter=384, vocab=4000, seqs=2, max_len=256, anchors=32,
+    "small": dict(hidden=128, layers=6, heads=4, kv=2, inter=384, vocab=4000, seqs=2, max_len=256, anchors=32,
                   block=8, dlayers=1, capture=3, depth=6),
-    "wide": dict(hidden=384, layers=4, heads=6, kv=2, inter=1024, vocab=8000, seqs=2, max_len=384, anchors=64,
+    "wide": dict(hidden=384, layers=6, heads=6, kv=2, inter=1024, vocab=8000, seqs=2, max_len=384, anchors=64,
                  block=8, dlayers=2, capture=3, depth=6),
-    "long": dict(hidden=192, layers=6, heads=6, kv=3, inter=512, vocab=16000, seqs=1, max_len=1024, anchors=96,
+    "long": dict(hidden=192, layers=8, heads=6, kv=3, inter=512, vocab=16000, seqs=1, max_len=1024, anchors=96,
                  block=16, dlayers=1, capture=4, depth=8),
 }
 SPECIAL = ["<unk>", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>", "<|mask|>"]
@@ -146,7 +146,8 @@ def run_shape(name: str, steps: int, plane: str | None) -> dict[str, Any]:
     data = conversations(work / "data.jsonl", s)
     cfg_path = work / "run.toml"
     cfg_path.write_text(config_text(s, model, data, drafter_params(s)))
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": path}
     if plane:
         env["DFLASH_DATA_PLANE"] = plane
     t0 = time.perf_counter()

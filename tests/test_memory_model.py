@@ -8,7 +8,7 @@ import pytest
 from benchmarks.loss_memory import MODEL_CASE, measure, model_prediction
 from dflash.core.config import config_from_dict, load_config, with_overrides
 from dflash.core.errors import ConfigError
-from dflash.core.memory_model import GIB, activation_bytes, device_memory, logit_rows
+from dflash.core.memory_model import activation_bytes, device_memory, logit_rows
 from tests.test_split_memory import QWEN3_8B
 
 QWEN3_8B_FULL = {**QWEN3_8B, "memory": {**QWEN3_8B["memory"], "intermediate_size": 12288, "kv_width": 1024}}
