@@ -76,7 +76,7 @@ def test_a_fault_in_the_producers_reader_thread_stops_the_job_names_the_rank_and
     ("producer.make", 4, 1, 0),
     ("producer.send_wait", 3, 1, 0),
     ("drafter.step", 3, 1, 1),
-    ("coordinator.handle", 8, 1, 1),
+    ("coordinator.handle", 16, 1, 1),
     ("producer.post_send", 3, 2, 0),
     ("drafter.step", 3, 2, None),  # either drafter rank may be first
 ])

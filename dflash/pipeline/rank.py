@@ -126,6 +126,14 @@ def rank_main(spec: RunSpec) -> int:
     return code
 
 
+class CoordinatorFailed(RuntimeError):
+    """The host rank's coordinator thread failed (its exception is the cause, its time ``t`` the failure's)."""
+
+    def __init__(self, exc: BaseException, t: float | None) -> None:
+        super().__init__(f"the coordinator thread failed: {type(exc).__name__}: {exc}")
+        self.t = t
+
+
 def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: BaseException) -> None:
     """One line for the launcher (the rank's .error file) and, under torchrun, on stderr."""
     role = "target" if rank < spec.cfg.cluster.n_target else "drafter"
@@ -135,7 +143,8 @@ def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: Ba
         tb = out / RANKS_DIR / f"rank-{rank}.traceback"
         tb.write_text(f"{line}\n\n" + "".join(traceback.format_exception(exc)))
         line += f" (traceback: {tb})"
-    (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": time.time(), "line": line,
+    t = getattr(exc, "t", None) or time.time()  # a coordinator failure dates from its thread, before its peers'
+    (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": t, "line": line,
                                                                       "config": isinstance(exc, ConfigError)}))
     status(f"failed: {what}")
     status.flush()
@@ -229,7 +238,14 @@ class RankRun:
         if self.roles.is_target:
             self._run_producer()
         else:
-            self._run_drafter()
+            try:
+                self._run_drafter()
+            except BaseException as exc:
+                failed = getattr(getattr(self, "service", None), "error", None)
+                if failed is None or failed is exc:
+                    raise
+                # the host's coordinator thread failed first: that is the cause, not the channel it closed
+                raise CoordinatorFailed(failed, self.service.error_t) from failed
         memory.after()
         dist.destroy_process_group()  # only after a clean run: a failure leaves without teardown (rank_main)
         return 0

@@ -132,6 +132,7 @@ class CoordinatorService:
         self.discarded: list[str] = []
         self.summary: dict[str, Any] | None = None
         self.error: BaseException | None = None
+        self.error_t: float | None = None  # when the coordinator thread failed (the host rank names it as the cause)
         self._thread = threading.Thread(target=self._main, name="coordinator", daemon=True)
         self._last_control_poll = 0.0
         self.producer_blocked_s = 0.0
@@ -196,7 +197,7 @@ class CoordinatorService:
                     self._handle(msgs)
                     self._lock.notify_all()
         except BaseException as exc:
-            self.error = exc
+            self.error, self.error_t = exc, time.time()
             with self._lock:
                 self._lock.notify_all()
         finally:
