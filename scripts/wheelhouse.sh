@@ -36,8 +36,10 @@ if [ -z "$BASE_PY" ]; then  # a stand-in for the node's image: torch + transform
   pip_ install -q transformers
 fi
 echo "wheelhouse: base $("$BASE_PY" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')"
-# 1. the project itself
+# 1. the project itself (setuptools leaves build/ in the source tree: removed again unless it was there)
+had_build=0; [ -e "$ROOT/build" ] && had_build=1
 pip_ wheel -q --no-deps -w "$OUT" "$ROOT"
+[ "$had_build" = 1 ] || rm -rf "$ROOT/build"
 # 2. what pip would add to the base for it, at the versions it would pick
 pip_ install -q --dry-run --report "$SCRATCH/report.json" "$ROOT"
 "$BASE_PY" - "$SCRATCH/report.json" > "$SCRATCH/pins.txt" <<'PY'
