@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# GPU acceptance run (issue #25 item 6): regenerate -> train -> eval -> calibrate -> predict and run a
-# second configuration, through the real dflash verbs, on the GPUs present (2+: half target, half drafter
-# ranks, NCCL; 1: a target and a drafter rank share it). No network: the packaged SmolLM2 + ShareGPT where
-# installed, else a random 1B Llama and synthetic conversations. Two 1-minute training runs, <= 5 minutes.
-# --learning (issue #27): regenerate 1,600 prompts (--regenerate-prompts N), train the learning profile
-# (examples/gpu-smollm2-learning.toml) for 1.5 minutes with the held-out metric, eval tau on 32 prompts; <= 5 minutes.
-# Flags pass through: --target, --data, --minutes, --json FILE, --keep, --learning, --regenerate-prompts N
-# (see python3 scripts/gpu_check.py -h).
+# GPU acceptance run: `dflash gpu-check` (dflash/gpucheck; `dflash gpu-check --help`) with a 5-minute box.
+# Its own --time-limit (300 s) stops the running verb 15 s early and writes the JSON; `timeout` is a
+# backstop above it (SIGTERM, on which the check also writes its JSON; SIGKILL 20 s later).
+# Flags pass through: --target, --data, --minutes, --keep, --learning, --regenerate-prompts N, --cpu, --arch.
+# Usage: bash scripts/gpu_check.sh [--json FILE] [FLAGS]   (JSON default: gpu_check.json, or $GPU_CHECK_JSON)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 330 python3 scripts/gpu_check.py --json "${GPU_CHECK_JSON:-gpu_check.json}" "$@"
+JSON="${GPU_CHECK_JSON:-gpu_check.json}"
+ARGS=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--json" ] && [ $# -ge 2 ]; then JSON="$2"; shift 2; else ARGS+=("$1"); shift; fi
+done
+exec timeout --kill-after=20 330 python3 scripts/gpu_check.py --json "$JSON" --time-limit "${GPU_CHECK_LIMIT_S:-300}" \
+  ${ARGS[@]+"${ARGS[@]}"}

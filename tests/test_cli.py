@@ -16,6 +16,7 @@ from dflash.cli import VERBS, main
 from dflash.cli import command as cli
 
 QUEUE_VERBS = ("simulate", "sweep", "train", "tune-live")
+NO_CONFIG = ("gpu-check",)  # writes its own run configs: any --config is refused (tests/test_gpu_check.py)
 # Verbs still waiting for their issue; each entry disappears when its verb lands.
 
 # A valid invocation of each verb (relative paths inside the `workdir` fixture).
@@ -32,6 +33,7 @@ BASE = {
     "lengths": [],
     "demo": [],
     "export": ["--drafter", "exrun", "--out", "exported"],
+    "gpu-check": ["--cpu"],
 }
 
 CONFIGS = {
@@ -130,6 +132,12 @@ VERB_CASES = {
         (["missing_dir"], ["INPUT"]),
         (["--out", "sel.json"], ["--out"]),
     ],
+    "gpu-check": [
+        (["--minutes", "0"], ["--minutes"]),
+        (["--arch", "70b"], ["--arch"]),
+        (["--time-limit", "-5"], ["--time-limit"]),
+        (["--json", "sel.json/x"], ["--json"]),
+    ],
     "export": [
         (["--out", "sel.json"], ["--out"]),
         (["--out", "sel.json/x"], ["--out", "not a directory"]),
@@ -153,7 +161,8 @@ MISSING_CASES = [
 def _cases() -> list:
     out = []
     for verb in VERBS:
-        cases = COMMON_CASES + (QUEUE_CASES if verb in QUEUE_VERBS else []) + VERB_CASES.get(verb, [])
+        common = COMMON_CASES if verb not in NO_CONFIG else [c for c in COMMON_CASES if "--config" not in c[0]]
+        cases = common + (QUEUE_CASES if verb in QUEUE_VERBS else []) + VERB_CASES.get(verb, [])
         out += [pytest.param(verb, BASE[verb] + extra, names, id=f"{verb}:{' '.join(extra)}")
                 for extra, names in cases]
     out += [pytest.param(verb, argv, names, id=f"{verb}(missing):{' '.join(argv)}")

@@ -426,3 +426,34 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert DrafterSpec.from_target_config(target.config, target_layer_ids=LAYER_IDS, mask_token_id=MASK_ID,
                                           drafter=DrafterConfig(checkpoint_layers=True)).checkpoint_layers
+
+
+def test_fuse_feeds_bf16_states_to_fc_without_a_float32_copy_of_the_item():
+    """Under autocast (CPU bf16 here, CUDA's on a GPU) the received bf16 item goes to ``fc`` as it is:
+    no float32 copy of the whole ``[b, S, K*d]`` item (issue 33: ~2 GB on the 8B example), and the
+    result equals the old float32-then-autocast path. Without autocast the states are cast as before."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.f32_item_copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.startswith("_to_copy") and isinstance(out, torch.Tensor) and \
+                    out.dtype == torch.float32 and out.shape == states.shape:
+                self.f32_item_copies += 1
+            return out
+
+    _, drafter = make(dtype=torch.float32)
+    states = torch.randn(2, 24, len(LAYER_IDS) * drafter.spec.hidden_size).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with Copies() as mode:
+            got = drafter.fuse(states)
+        old = drafter.hidden_norm(drafter.fc(states.to(torch.float32)))
+    assert mode.f32_item_copies == 0
+    assert torch.equal(got, old)
+    with Copies() as mode:  # no autocast: fc's own dtype
+        plain = drafter.fuse(states)
+    assert mode.f32_item_copies == 1 and plain.dtype == torch.float32

@@ -34,7 +34,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("dflash.data",),
     ("dflash.model",),
     ("dflash.pipeline", "dflash.regenerate", "simulator"),
-    ("tuning",),
+    ("tuning", "dflash.gpucheck"),  # gpucheck drives the verbs in subprocesses; it reads only lower floors
     ("reports",),
     ("dflash.cli",),
     ("dflash.__main__",),  # ``python -m dflash``: the command's one caller

@@ -8,7 +8,7 @@ import pytest
 from benchmarks.loss_memory import MODEL_CASE, measure, model_prediction
 from dflash.core.config import config_from_dict, load_config, with_overrides
 from dflash.core.errors import ConfigError
-from dflash.core.memory_model import GIB, activation_bytes, device_memory, logit_rows
+from dflash.core.memory_model import activation_bytes, device_memory, logit_rows
 from tests.test_split_memory import QWEN3_8B
 
 QWEN3_8B_FULL = {**QWEN3_8B, "memory": {**QWEN3_8B["memory"], "intermediate_size": 12288, "kv_width": 1024}}
@@ -33,11 +33,11 @@ def test_the_model_is_within_25_percent_of_a_measured_cpu_training_step(case):
 def test_the_logits_term_is_one_chunk_not_the_item():
     cfg = config_from_dict(QWEN3_8B)
     assert logit_rows(cfg) == 8 * 512 * 15
-    assert dict(device_memory(cfg)[1].parts)["logits chunk"] == 512 * 151936 * 8
+    assert dict(device_memory(cfg)[1].parts)["logits chunk"] == 512 * 151936 * 10  # 10 B per entry: bf16 head
     small = with_overrides(cfg, {"drafter.loss_chunk_rows": 64})
-    assert dict(device_memory(small)[1].parts)["logits chunk"] == 64 * 151936 * 8
+    assert dict(device_memory(small)[1].parts)["logits chunk"] == 64 * 151936 * 10
     few = with_overrides(cfg, {"workload.seqs_per_item": 1, "drafter.anchors": 4, "drafter.loss_chunk_rows": 4096})
-    assert dict(device_memory(few)[1].parts)["logits chunk"] == 4 * 15 * 151936 * 8  # fewer rows than a chunk
+    assert dict(device_memory(few)[1].parts)["logits chunk"] == 4 * 15 * 151936 * 10  # fewer rows than a chunk
 
 
 def test_activations_grow_with_layers_and_anchors_and_checkpointing_keeps_one_layer():
@@ -58,8 +58,9 @@ def test_activations_are_not_counted_without_the_mlp_width_and_say_so():
 
 
 @pytest.mark.parametrize("name", ["h200-8b-drafter-bound.toml", "h200-target-bound.toml"])
-def test_both_h200_examples_declare_their_sizes_and_fit_105_gib_per_device(name):
-    """141 GB with 20% to spare, as `dflash simulate` reports it: the model at the simulated peaks."""
+def test_both_h200_examples_declare_their_sizes_and_fit_an_h200_with_10_percent_to_spare(name):
+    """141 GB (131.3 GiB) with 10% to spare, as `dflash simulate` reports it: the model at the simulated
+    peaks. (It was 105 GiB, 20% spare, before the CUDA context and the allocator's slack were counted.)"""
     from simulator.run import simulate
     from simulator.workload import make_sampler
 
@@ -73,7 +74,7 @@ def test_both_h200_examples_declare_their_sizes_and_fit_105_gib_per_device(name)
                             drafter_bytes=peaks.get("peak_drafter_bytes"))
     for dev in devices:
         assert not dev.not_counted
-        assert dev.total <= 105 * GIB, dev.describe()
+        assert dev.total <= 0.9 * 141e9, dev.describe()
 
 
 def test_new_memory_keys_are_validated():

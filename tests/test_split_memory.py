@@ -12,7 +12,15 @@ import pytest
 
 from dflash.core.config import config_from_dict, with_overrides
 from dflash.core.errors import ConfigError
-from dflash.core.memory_model import GIB, check_fits, device_memory
+from dflash.core.memory_model import (
+    ALLOCATOR_SLACK,
+    CUDA_CONTEXT_BYTES,
+    GIB,
+    POOL_BUFFERS,
+    check_fits,
+    device_memory,
+    per_device,
+)
 from dflash.core.runmetrics import run_metrics
 from simulator.run import simulate
 from simulator.stream import MAX_POINTS
@@ -41,12 +49,21 @@ def test_device_memory_by_hand() -> None:
     t = parts(target)
     assert t["weights"] == 16e9  # 8e9 parameters x 2 bytes on one GPU
     assert t["hidden states"] == 90 / 4 * ITEM + ITEM  # an even share of 90 queued items + the one at the cap
+    assert t["pooled buffers"] == POOL_BUFFERS * ITEM  # the sharing plane's send pool, at most 4 of the largest
+    assert t["CUDA context"] == CUDA_CONTEXT_BYTES
+    assert t["allocator slack"] == pytest.approx(ALLOCATOR_SLACK * (16e9 + 90 / 4 * ITEM + ITEM + 4 * ITEM))
     d = parts(drafter)
     assert (d["weights"], d["gradients"], d["optimizer"]) == (2e9, 2e9, 12e9)
     assert d["hidden states"] == ITEM  # one item per take
+    assert "pooled buffers" not in d  # a sharing plane: the drafter maps the producer's buffers
     assert d["frozen embedding and head"] == 2 * 151936 * 4096 * 2
-    assert d["logits chunk"] == 512 * 151936 * 8  # one chunk of the loss, not 8 x 512 x 15 rows (issue #25)
-    assert drafter.total / GIB == pytest.approx(18.42, abs=0.01)  # activations not counted: no intermediate_size
+    assert d["logits chunk"] == 512 * 151936 * 10  # one chunk of the loss, not 8 x 512 x 15 rows (issue #25)
+    allocated = 16e9 + ITEM + 2 * 151936 * 4096 * 2 + 512 * 151936 * 10
+    assert drafter.total == pytest.approx(allocated * (1 + ALLOCATOR_SLACK) + CUDA_CONTEXT_BYTES)
+    copying = parts(device_memory(config_from_dict(QWEN3_8B), sharing=False)[1])
+    assert copying["pooled buffers"] == POOL_BUFFERS * ITEM  # the receive pool on a copying plane
+    cpu = parts(device_memory(config_from_dict(QWEN3_8B), on_gpu=False)[1])
+    assert "CUDA context" not in cpu and "allocator slack" not in cpu
 
 
 def test_sharded_targets_split_their_weights_not_their_hidden_states() -> None:
@@ -57,8 +74,10 @@ def test_sharded_targets_split_their_weights_not_their_hidden_states() -> None:
 
 def test_unknown_sizes_are_not_counted_and_say_so() -> None:
     target, drafter = device_memory(config_from_dict({k: v for k, v in QWEN3_8B.items() if k != "memory"}))
-    assert list(parts(target)) == ["hidden states"] and "memory.target_params" in target.not_counted[0]
-    assert list(parts(drafter)) == ["hidden states"] and len(drafter.not_counted) == 3
+    assert list(parts(target)) == ["hidden states", "pooled buffers", "CUDA context", "allocator slack"]
+    assert "memory.target_params" in target.not_counted[0] and "memory.intermediate_size" in target.not_counted[1]
+    assert list(parts(drafter)) == ["hidden states", "CUDA context", "allocator slack"]
+    assert len(drafter.not_counted) == 3
 
 
 def test_check_fits_refuses_in_one_line_with_the_numbers() -> None:
@@ -67,11 +86,40 @@ def test_check_fits_refuses_in_one_line_with_the_numbers() -> None:
     with pytest.raises(ConfigError) as err:
         check_fits(cfg)
     line = str(err.value)
-    assert "\n" not in line and line.startswith("sweep.memory_budget_gib: a drafter device needs 191.3 GiB")
-    assert "activations 172.9" in line and "optimizer 11.2" in line and "budget of 139 GiB per device" in line
-    check_fits(with_overrides(cfg, {"sweep.memory_budget_gib": 192.0}))  # fits: no error
+    need = device_memory(cfg)[1].total / GIB
+    assert "\n" not in line and line.startswith(f"sweep.memory_budget_gib: the drafter device needs {need:.1f} GiB")
+    assert "activations 172.9" in line and "optimizer 11.2" in line and "holds 139.0 GiB" in line
+    assert "--force" in line
+    check_fits(with_overrides(cfg, {"sweep.memory_budget_gib": 230.0}))  # fits: no error
     check_fits(with_overrides(cfg, {"drafter.anchors": 128}))  # a quarter of the activations fits in 139
     check_fits(config_from_dict({k: v for k, v in QWEN3_8B.items() if k != "sweep"}))  # no budget, no check
+    check_fits(cfg, force=True)  # the one way past it
+
+
+def test_roles_sharing_a_device_are_summed_and_the_devices_own_capacity_decides() -> None:
+    """One shared GPU (a target and a drafter rank on cuda:0) needs both roles' bytes; the capacity is the
+    device's own, and the configured budget is not used where a capacity is given."""
+    cfg = config_from_dict({**QWEN3_8B, "sweep": {"memory_budget_gib": 1.0}})
+    t, d = device_memory(cfg)
+    shared = [("target", "cuda:0"), ("drafter", "cuda:0")]
+    check_fits(cfg, shared, {"cuda:0": t.total + d.total + 1})  # fits the device (the 1 GiB budget is not used)
+    with pytest.raises(ConfigError) as err:
+        check_fits(cfg, shared, {"cuda:0": t.total + d.total - 1})  # each alone would fit: together they do not
+    line = str(err.value)
+    assert "\n" not in line and f"cuda:0 needs {(t.total + d.total) / GIB:.1f} GiB" in line
+    assert "target " in line and "drafter " in line and "holds" in line
+    cpu = [("target", "cpu"), ("drafter", "cpu"), ("drafter", "cpu")]
+    need = per_device(cfg, cpu)[0]
+    assert need.device == "cpu" and len(need.roles) == 3
+    assert all("CUDA context" not in dict(r.parts) for r in need.roles)
+    assert need.total == pytest.approx(device_memory(cfg, on_gpu=False)[0].total
+                                       + 2 * device_memory(cfg, on_gpu=False)[1].total)
+
+
+def test_the_pool_size_is_the_transports() -> None:
+    from dflash.pipeline import transport
+
+    assert transport.POOL_BUFFERS == POOL_BUFFERS
 
 
 def test_the_sweep_constraint_uses_the_simulated_peaks_per_device() -> None:
@@ -82,8 +130,9 @@ def test_the_sweep_constraint_uses_the_simulated_peaks_per_device() -> None:
     ev = Evaluator(cfg, sim_seconds=900).evaluate(cfg.queue)
     held = ev.worst("peak_producer_bytes")
     assert 90 / 4 * ITEM * 0.8 <= held <= 90 * ITEM  # lengths vary: items are at most ITEM
-    assert ev.worst("peak_device_bytes") == pytest.approx(16e9 + held)  # the target device is the fullest
-    budget = (16e9 + held) / GIB
+    target = (16e9 + held + POOL_BUFFERS * ITEM) * (1 + ALLOCATOR_SLACK) + CUDA_CONTEXT_BYTES
+    assert ev.worst("peak_device_bytes") == pytest.approx(target)  # the target device is the fullest
+    budget = target / GIB
     assert constraint_values(ev, with_overrides(cfg, {"sweep.memory_budget_gib": budget * 1.01}), None)["memory"] < 0
     assert constraint_values(ev, with_overrides(cfg, {"sweep.memory_budget_gib": budget * 0.99}), None)["memory"] > 0
 

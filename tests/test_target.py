@@ -260,3 +260,43 @@ def test_packaged_smollm2_loads_generates_and_caches(tmp_path):
     assert cached_s < first.load_s / 2, (cached_s, first.load_s)
     for (n1, p1), (n2, p2) in zip(model.state_dict().items(), second.model.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize("tie, shard", [(False, "40KB"), (True, None)], ids=["untied-sharded", "tied-one-file"])
+def test_a_drafter_rank_reads_only_the_embedding_and_head_from_the_checkpoint(tmp_path, tie, shard):
+    """load_target_tables: the two tables equal the whole model's (read from several shards, or one
+    file with the head tied to the embedding), and nothing else of the target is in memory."""
+    import shutil
+
+    from dflash.gpucheck.assets import build_random_target
+    from dflash.model.drafter import DFlashDrafter, DrafterSpec
+    from dflash.model.target import TargetTables, load_target_tables
+    from tests.tiny_models import tiny_llama
+
+    tok_dir = build_random_target(tmp_path / "tok", "tiny")  # a word-level tokenizer (and a model we replace)
+    full = tiny_llama(seed=3, vocab_size=512, tie=tie)
+    d = tmp_path / "ckpt"
+    full.save_pretrained(d, **({"max_shard_size": shard} if shard else {}))
+    for f in tok_dir.iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            shutil.copy(f, d / f.name)
+    assert (d / "model.safetensors.index.json").is_file() == bool(shard)
+    got = load_target_tables(str(d), dtype=torch.float32)
+    assert got is not None and isinstance(got.model, TargetTables)
+    assert torch.equal(got.model.get_input_embeddings().weight, full.get_input_embeddings().weight)
+    assert torch.equal(got.model.get_output_embeddings().weight, full.get_output_embeddings().weight)
+    assert (got.model.lm_head.weight is got.model.embed_tokens.weight) == tie
+    held = sum(p.numel() for p in got.model.parameters())  # one table when tied
+    assert held == (1 if tie else 2) * 512 * 64 < sum(p.numel() for p in full.parameters())
+    assert got.num_layers == 6 and got.tokenizer is not None
+    spec = DrafterSpec.from_target_config(got.config, target_layer_ids=(1, 3), mask_token_id=7)
+    DFlashDrafter.from_target(got.model, spec, dtype=torch.float32)  # the drafter builds on the tables alone
+
+
+def test_only_the_host_drafter_rank_with_eval_every_holds_the_whole_target():
+    from dflash.core.config import config_from_dict
+    from dflash.pipeline.rank import needs_whole_target
+
+    on, off = config_from_dict({"train": {"eval_every": 50}}), config_from_dict({})
+    assert needs_whole_target(on, is_host_drafter=True)
+    assert not needs_whole_target(on, is_host_drafter=False) and not needs_whole_target(off, is_host_drafter=True)

@@ -538,8 +538,8 @@ class MemoryConfig:
 
     ``logits_bytes`` is what one row x vocabulary value of the loss's chunk costs at its peak: the
     head's output in the weight dtype, its float32 copy (overwritten in place by the softmax and its
-    gradient) and the gradient's cast back for the head's matmul (2 + 4 + 2 = 8 for a bf16 head; 4
-    for a float32 one, where neither cast copies). ``activation_bytes`` is the bytes per saved
+    gradient) and ``logsumexp``'s float32 temporary beside them (2 + 4 + 4 = 10 for a bf16 head, issue
+    33; 4 + 4 = 8 for a float32 one, where the copy is the output itself). ``activation_bytes`` is the bytes per saved
     activation value: 4 in float32 (the CPU; measured there, benchmarks/loss_memory.py
     --model-check); under CUDA's bf16 autocast the residual stream and the norms stay float32 and
     each projection input gets a bf16 copy, about 4 on average as well (not measured on a GPU).
@@ -555,7 +555,7 @@ class MemoryConfig:
     kv_width: int | None = None
     weight_bytes: int = 2
     optimizer_bytes_per_param: int = 12  # AdamW: float32 master copy, m and v
-    logits_bytes: int = 8
+    logits_bytes: int = 10
     activation_bytes: int = 4
 
     def __post_init__(self) -> None:

@@ -17,6 +17,15 @@ drafter takes them (docs/ARCHITECTURE.md, distributed pipeline). So a device's b
   - the **draft layers' saved activations** for anchors x block query positions and the
     ``[context ; blocks]`` key/value positions, plus the attention mask (:func:`activation_bytes`).
 
+Beyond these (issue 33): the **pooled buffers** of the data plane (:data:`POOL_BUFFERS` of the largest
+item: the producer's send pool on a sharing plane, the drafter's receive pool on a copying one), the
+target's **capture forward** (:func:`target_forward_bytes`), and on a GPU the **CUDA context** and the
+caching allocator's **slack** (:data:`CUDA_CONTEXT_BYTES`, :data:`ALLOCATOR_SLACK`: not measured yet,
+see docs/ARCHITECTURE.md). Roles that share one device are summed there (:func:`per_device`), and
+:func:`check_fits` holds each device against its capacity (the device's own, given by the caller).
+The CPU-measurable part of a rank is what its training loop adds (:func:`loop_bytes`): everything but
+the parts already there before the first step (:data:`AT_START`).
+
 A static check (no simulation) assumes the queue's items spread evenly over producers and that an
 item is as large as the workload allows (``max_len`` per sequence); the simulator passes the peaks
 it saw instead. Sizes not given in ``[memory]`` are not counted and the result says so. Torch-free.
@@ -32,6 +41,10 @@ from dflash.core.errors import ConfigError
 
 GIB = 2**30
 TARGET, DRAFTER = "target", "drafter"
+POOL_BUFFERS = 4  # dflash.pipeline.transport.POOL_BUFFERS (this layer is torch-free; a test ties the two)
+CUDA_CONTEXT_BYTES = 0.5 * GIB  # per process on a GPU: CUDA context, cuBLAS/NCCL workspaces (unverified)
+ALLOCATOR_SLACK = 0.10  # the caching allocator's fragmentation, of what a GPU rank allocates (unverified)
+AT_START = frozenset({"weights", "frozen embedding and head", "CUDA context"})  # there before the first step
 
 
 @dataclass(frozen=True)
@@ -141,8 +154,34 @@ def producer_hidden_bytes(cfg: DflashConfig, n_target: int | None = None) -> flo
     return queued / n + item
 
 
-def target_device(cfg: DflashConfig, hidden_bytes: float | None = None, n_target: int | None = None
-                  ) -> DeviceMemory:
+def target_forward_bytes(cfg: DflashConfig) -> float:
+    """The capture forward's peak (inference, to the deepest captured layer): the captured layers'
+    outputs and their concatenation (``2 K d`` per token), one decoder layer's transient (``2d + H + 2KV
+    + 3I`` per token: normed input, q, k, v, the MLP's gate, up and product) and the 4-D attention mask
+    transformers builds (sequences x S x S), in the target's dtype (``memory.weight_bytes``). Needs
+    ``memory.intermediate_size``; 0 without it (and :func:`target_device` says so)."""
+    m = cfg.memory
+    if m.intermediate_size is None:
+        return 0.0
+    seqs, length, _ = item_shape(cfg)
+    d = cfg.timing.hidden_size
+    h = m.attention_width or d
+    kv = m.kv_width or h
+    tokens = seqs * length
+    per_token = 2 * cfg.target.capture_layers * d + 2 * d + h + 2 * kv + 3 * m.intermediate_size
+    return float((tokens * per_token + seqs * length * length) * m.weight_bytes)
+
+
+def _gpu_parts(parts: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """A GPU rank's CUDA context and the allocator's slack on what it allocates (both unverified)."""
+    allocated = sum(b for _, b in parts)
+    return [("CUDA context", CUDA_CONTEXT_BYTES), ("allocator slack", ALLOCATOR_SLACK * allocated)]
+
+
+def target_device(cfg: DflashConfig, hidden_bytes: float | None = None, n_target: int | None = None,
+                  *, on_gpu: bool = True, sharing: bool = True) -> DeviceMemory:
+    """A target rank's device. ``sharing``: the plane packs each sent item into the producer's pooled
+    shareable buffer (shm, CUDA IPC); on a copying plane the send reads the item itself."""
     m = cfg.memory
     parts: list[tuple[str, float]] = []
     missing: list[str] = []
@@ -152,10 +191,22 @@ def target_device(cfg: DflashConfig, hidden_bytes: float | None = None, n_target
         missing.append("target weights (memory.target_params)")
     held = producer_hidden_bytes(cfg, n_target) if hidden_bytes is None else hidden_bytes
     parts.append(("hidden states", float(held)))
+    if sharing:
+        parts.append(("pooled buffers", float(POOL_BUFFERS * max_item_bytes(cfg))))
+    if m.intermediate_size is not None:
+        parts.append(("capture forward", target_forward_bytes(cfg)))
+    else:
+        missing.append("the capture forward (memory.intermediate_size)")
+    if on_gpu:
+        parts += _gpu_parts(parts)
     return DeviceMemory(TARGET, tuple(parts), tuple(missing))
 
 
-def drafter_device(cfg: DflashConfig, hidden_bytes: float | None = None) -> DeviceMemory:
+def drafter_device(cfg: DflashConfig, hidden_bytes: float | None = None, *, on_gpu: bool = True,
+                   sharing: bool = True) -> DeviceMemory:
+    """A drafter rank's device. On a copying plane the items arrive in its receive pool, which keeps up
+    to :data:`POOL_BUFFERS` free buffers besides the take in use; on a sharing plane it maps the
+    producer's buffers (counted there on a GPU; on the CPU shared pages count in both processes)."""
     m = cfg.memory
     parts: list[tuple[str, float]] = []
     missing: list[str] = []
@@ -166,6 +217,8 @@ def drafter_device(cfg: DflashConfig, hidden_bytes: float | None = None) -> Devi
         missing.append("drafter weights and optimizer (memory.drafter_params)")
     held = cfg.queue.items_per_take * max_item_bytes(cfg) if hidden_bytes is None else hidden_bytes
     parts.append(("hidden states", float(held)))
+    if not sharing:
+        parts.append(("pooled buffers", float(POOL_BUFFERS * max_item_bytes(cfg))))
     if m.vocab_size is not None:
         parts.append(("frozen embedding and head", 2 * m.vocab_size * cfg.timing.hidden_size * m.weight_bytes))
         parts.append(("logits chunk", logits_chunk_bytes(cfg)))
@@ -175,32 +228,88 @@ def drafter_device(cfg: DflashConfig, hidden_bytes: float | None = None) -> Devi
         parts.append(("activations", activation_bytes(cfg)))
     else:
         missing.append("draft-layer activations (memory.intermediate_size)")
+    if on_gpu:
+        parts += _gpu_parts(parts)
     return DeviceMemory(DRAFTER, tuple(parts), tuple(missing))
 
 
+def loop_bytes(dev: DeviceMemory) -> float:
+    """What a rank's training loop adds above what it holds before the first step (the CPU-measurable
+    figure: ``VmHWM`` after the loop minus ``VmHWM`` before it, dflash/pipeline/hostmem.py)."""
+    return float(sum(b for name, b in dev.parts if name not in AT_START))
+
+
 def device_memory(cfg: DflashConfig, *, n_target: int | None = None, producer_bytes: float | None = None,
-                  drafter_bytes: float | None = None) -> tuple[DeviceMemory, DeviceMemory]:
+                  drafter_bytes: float | None = None, on_gpu: bool = True, sharing: bool = True
+                  ) -> tuple[DeviceMemory, DeviceMemory]:
     """(target device, drafter device); hidden-state peaks from a simulation when given."""
-    return target_device(cfg, producer_bytes, n_target), drafter_device(cfg, drafter_bytes)
+    return (target_device(cfg, producer_bytes, n_target, on_gpu=on_gpu, sharing=sharing),
+            drafter_device(cfg, drafter_bytes, on_gpu=on_gpu, sharing=sharing))
 
 
 def fullest_device_bytes(cfg: DflashConfig, **peaks: float | None) -> float:
     return max(d.total for d in device_memory(cfg, **peaks))  # type: ignore[arg-type]
 
 
-def check_fits(cfg: DflashConfig) -> None:
-    """Pre-flight: refuse, in one line with the numbers, a run whose devices would not hold it.
+@dataclass(frozen=True)
+class DeviceNeed:
+    """What the ranks placed on one device need together, against what it holds."""
 
-    The budget is ``sweep.memory_budget_gib`` per device (None: no check). Raises ConfigError.
+    device: str
+    roles: tuple[DeviceMemory, ...]
+    capacity: float | None
+
+    @property
+    def total(self) -> float:
+        return float(sum(r.total for r in self.roles))
+
+    def line(self) -> str:
+        shares = "; ".join(f"{r.role} {r.total / GIB:.1f}: " + " + ".join(
+            f"{name} {b / GIB:.1f}" for name, b in r.parts if b > 0) for r in self.roles)
+        cap = "no capacity known" if self.capacity is None else f"holds {self.capacity / GIB:.1f} GiB"
+        return f"{self.device} needs {self.total / GIB:.1f} GiB ({shares}) but {cap}"
+
+
+def per_device(cfg: DflashConfig, placement: list[tuple[str, str]], capacity: dict[str, float] | None = None,
+               *, sharing: bool = True) -> list[DeviceNeed]:
+    """Sum, per device, the roles of the ranks placed there (``placement``: (role, device) per rank,
+    e.g. a target and a drafter rank on one shared GPU, or every CPU rank on the host ``cpu``)."""
+    by_dev: dict[str, list[DeviceMemory]] = {}
+    for role, device in placement:
+        on_gpu = device != "cpu"  # a planned device (no placement given) is a GPU
+        dev = (target_device(cfg, on_gpu=on_gpu, sharing=sharing) if role == TARGET
+               else drafter_device(cfg, on_gpu=on_gpu, sharing=sharing))
+        by_dev.setdefault(device, []).append(dev)
+    cap = capacity or {}
+    return [DeviceNeed(d, tuple(roles), cap.get(d)) for d, roles in by_dev.items()]
+
+
+def check_fits(cfg: DflashConfig, placement: list[tuple[str, str]] | None = None,
+               capacity: dict[str, float] | None = None, *, force: bool = False) -> None:
+    """Pre-flight: refuse, in one line naming the device, the need and the capacity, a run whose
+    devices would not hold it (ConfigError). ``--force`` is the one way past it.
+
+    ``capacity``: bytes per device from the device itself (CUDA's total memory; the host's available
+    memory for CPU ranks). Where none is given (no device present: planning, a sweep) the configured
+    ``sweep.memory_budget_gib`` per device is the capacity, and without it nothing is checked.
     """
-    budget = cfg.sweep.memory_budget_gib
-    if budget is None:
+    if force:
         return
-    for dev in device_memory(cfg):
-        if dev.total > budget * GIB:
-            missing = f"; not counted: {', '.join(dev.not_counted)}" if dev.not_counted else ""
-            raise ConfigError("sweep.memory_budget_gib", f"{dev.describe()}, over the budget of {budget:g} GiB "
-                              f"per device{missing}", show_got=False)
+    budget = cfg.sweep.memory_budget_gib
+    if placement is None:  # planning: one target and one drafter device, each against the budget
+        placement = [(TARGET, "the target device"), (DRAFTER, "the drafter device")]
+    if not capacity:
+        if budget is None:
+            return
+        capacity = {d: budget * GIB for _, d in placement}
+        key = "sweep.memory_budget_gib"
+    else:
+        key = "memory"
+    for need in per_device(cfg, placement, capacity):
+        if need.capacity is not None and need.total > need.capacity:
+            missing = sorted({x for r in need.roles for x in r.not_counted})
+            tail = f"; not counted: {', '.join(missing)}" if missing else ""
+            raise ConfigError(key, f"{need.line()} (--force starts it anyway){tail}", show_got=False)
 
 
 def allreduce_seconds(cfg: DflashConfig, n_drafter: int) -> float:

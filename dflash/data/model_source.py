@@ -209,9 +209,12 @@ class LoadedModel:
     cache_hit: bool  # a cached GGUF conversion was used
 
 
-def load_causal_lm(model: str, dtype: Any, cache_dir: str | Path | None = None) -> LoadedModel:
+def load_causal_lm(model: str, dtype: Any, cache_dir: str | Path | None = None,
+                   device_map: str | None = None) -> LoadedModel:
     """Load ``target.model`` in ``dtype`` with its tokenizer: a GGUF through its cached conversion, a
-    directory after :func:`check_model_dir`, a hub id with the network (one line if it fails)."""
+    directory after :func:`check_model_dir`, a hub id with the network (one line if it fails).
+    ``device_map`` (e.g. ``"cuda:1"``): the weights go straight there (accelerate), never whole on the
+    host first."""
     root = _root(cache_dir)
     src = find_model(model)
     if src.gguf is not None:
@@ -219,19 +222,19 @@ def load_causal_lm(model: str, dtype: Any, cache_dir: str | Path | None = None) 
         entry = gguf_cache_entry(gguf, root)
         cache_hit = (entry / MODEL_MARKER).is_file()
         net = load_or_build(entry, lambda e: (e / MODEL_MARKER).is_file(), lambda out: convert_gguf(gguf, out),
-                            lambda e: _load_pretrained(str(e), dtype, local=True))
+                            lambda e: _load_pretrained(str(e), dtype, local=True, device_map=device_map))
         if net is None:  # read-only cache: load straight from the GGUF every time
             from transformers import AutoModelForCausalLM
 
             net = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                       local_files_only=True, dtype=dtype)
+                                                       local_files_only=True, **dtype_kwarg(dtype))
         return LoadedModel(net, load_tokenizer(model, root), str(gguf), cache_hit)
     if src.directory is not None:
         check_model_dir(src.directory, model)
-        net = _load_pretrained(str(src.directory), dtype, local=True)
+        net = _load_pretrained(str(src.directory), dtype, local=True, device_map=device_map)
         return LoadedModel(net, load_tokenizer(str(src.directory), root), str(src.directory.resolve()), False)
     try:
-        net = _load_pretrained(model, dtype, local=False)
+        net = _load_pretrained(model, dtype, local=False, device_map=device_map)
     except OSError as exc:
         raise ConfigError("target.model", f"cannot load a model from {model!r}: {exc}", show_got=False) from None
     return LoadedModel(net, load_tokenizer(model, root), model, False)
@@ -243,7 +246,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 local_files_only=True, dtype=torch.float32)
+                                                 local_files_only=True, **dtype_kwarg(torch.float32))
     # The config still says "quantization: gguf"; the saved weights are plain float32 tensors and a
     # reload must not look for a .gguf file.
     with contextlib.suppress(AttributeError):
@@ -254,9 +257,35 @@ def convert_gguf(gguf: Path, out: Path) -> None:
                                     encoding="utf-8")
 
 
-def _load_pretrained(path_or_id: str, dtype: Any, local: bool) -> Any:
+def _load_pretrained(path_or_id: str, dtype: Any, local: bool, device_map: str | None = None) -> Any:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress lines say what is loading
-    return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, local_files_only=local)
+    placed = {"device_map": device_map} if device_map is not None else {}
+    return AutoModelForCausalLM.from_pretrained(path_or_id, local_files_only=local, **dtype_kwarg(dtype), **placed)
+
+
+def checkpoint_dir(model: str, cache_dir: str | Path | None = None) -> Path | None:
+    """A local directory of the target's safetensors: a GGUF's cached float32 conversion (built once,
+    as :func:`load_causal_lm` builds it) or a checkpoint directory as it is. None for a hub id, or
+    where the cache cannot be written: the caller then loads the model whole."""
+    src = find_model(model)
+    if src.gguf is not None:
+        gguf = src.gguf
+        return load_or_build(gguf_cache_entry(gguf, _root(cache_dir)), lambda e: (e / MODEL_MARKER).is_file(),
+                             lambda out: convert_gguf(gguf, out), lambda e: e)
+    if src.directory is not None:
+        check_model_dir(src.directory, model)
+        return src.directory
+    return None
+
+
+def dtype_kwarg(dtype: Any) -> dict[str, Any]:
+    """``from_pretrained``'s dtype keyword in this transformers: ``dtype`` from 4.56 (``torch_dtype``
+    is deprecated there), ``torch_dtype`` before. Why both: pyproject allows transformers >= 4.46,
+    and an older cluster stack must load the target, not silently load it in float32."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}

@@ -447,8 +447,17 @@ class DFlashDrafter(nn.Module):
         return self.fc.weight.dtype
 
     def fuse(self, context_states: torch.Tensor) -> torch.Tensor:
-        """``[b, S, K*d]`` captured states -> ``[b, S, d]`` context."""
-        return self.hidden_norm(self.fc(context_states.to(self.dtype)))
+        """``[b, S, K*d]`` captured states -> ``[b, S, d]`` context.
+
+        Under autocast the received (bf16) states go to ``fc`` as they are: autocast computes the
+        projection in bf16 anyway, so a float32 copy of the whole item (and autocast's bf16 cast of
+        that copy, kept for the backward) would be two more item-sized buffers for the same result.
+        Without autocast (the CPU's float32 run) the states are cast to the weights' dtype.
+        """
+        x = context_states
+        if x.dtype != self.dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.dtype)
+        return self.hidden_norm(self.fc(x))
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq.device != positions.device:

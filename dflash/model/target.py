@@ -18,6 +18,7 @@ The capture layer rule (:func:`capture_layer_ids`) is upstream DFlash's.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -106,9 +107,80 @@ def load_target(model: str = "smollm2", device: str | torch.device = "cpu",
     and a safetensors load takes ~1-3 s. ``dtype`` is applied at load time.
     """
     t0 = time.perf_counter()
-    loaded = load_causal_lm(model, dtype, cache_dir)
+    dev = torch.device(device)
+    # a GPU rank's weights go straight to its device (device_map), never whole in host memory first
+    loaded = load_causal_lm(model, dtype, cache_dir, device_map=str(dev) if dev.type == "cuda" else None)
     net = _freeze(loaded.net.to(device=device, dtype=dtype))
     return LoadedTarget(model=net, tokenizer=loaded.tokenizer, source=loaded.source, cache_hit=loaded.cache_hit,
+                        load_s=time.perf_counter() - t0)
+
+
+class TargetTables(nn.Module):
+    """The target pieces a drafter rank uses, and only those: its input embedding and LM head (frozen;
+    one table where the target ties them) with the target's config. A drafter takes them through
+    ``get_input_embeddings``/``get_output_embeddings`` as from the whole model (``DFlashDrafter.from_target``).
+    The final norm is not among them: the drafter has its own."""
+
+    def __init__(self, config: Any, embed: nn.Embedding, head: nn.Linear) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed
+        self.lm_head = head
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+
+def load_target_tables(model: str = "smollm2", dtype: torch.dtype = torch.float32,
+                       cache_dir: str | Path | None = None) -> LoadedTarget | None:
+    """The target's embedding and LM head read from its checkpoint's safetensors shards (``safe_open``:
+    only those tensors are read), with its config and tokenizer; no whole model in memory. Why: every
+    drafter rank used to hold the whole target for the run (an 8B target on 8 GPUs: ~128 GB of host
+    RAM to start). None where there is no local checkpoint (a hub id, an unwritable cache): the
+    caller then loads the whole target."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.data.model_source import checkpoint_dir, load_tokenizer
+
+    t0 = time.perf_counter()
+    d = checkpoint_dir(model, cache_dir)
+    if d is None:
+        return None
+    config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    with torch.device("meta"):  # the names of the two tables in this family's checkpoint, without weights
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names: dict[int, list[str]] = {}
+    for n, p in skeleton.named_parameters(remove_duplicate=False):  # a tied pair: one tensor, both names
+        names.setdefault(id(p), []).append(n)
+    embed_names = names[id(skeleton.get_input_embeddings().weight)]
+    head_names = names[id(skeleton.get_output_embeddings().weight)]
+    index = d / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+
+    def read(candidates: list[str]) -> torch.Tensor | None:
+        for name in candidates:
+            path = d / (files.get(name, "") if files is not None else "model.safetensors")
+            if path.is_file():
+                with safe_open(str(path), framework="pt") as f:
+                    if name in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                        return f.get_tensor(name).to(dtype)
+        return None
+
+    embed_w = read(embed_names)
+    if embed_w is None:
+        raise ValueError(f"{d}: none of {embed_names} in the checkpoint")
+    embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
+    head_w = None if head_names is embed_names else read(head_names)
+    if head_w is None and head_names is not embed_names:
+        raise ValueError(f"{d}: none of {head_names} in the checkpoint (an untied LM head)")
+    head = nn.Linear(embed_w.shape[1], embed_w.shape[0], bias=False, device="meta")
+    head.weight = embed.weight if head_w is None else nn.Parameter(head_w, requires_grad=False)
+    tables = _freeze(TargetTables(config, embed, head))
+    return LoadedTarget(model=tables, tokenizer=load_tokenizer(model, cache_dir), source=str(d), cache_hit=True,
                         load_s=time.perf_counter() - t0)
 
 

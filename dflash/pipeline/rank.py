@@ -39,6 +39,7 @@ from dflash.core.errors import ConfigError
 from dflash.core.precision import autocast_on, state_dtype_name
 from dflash.pipeline.channel import Channel, connect
 from dflash.pipeline.context import Corpus, DrafterContext, RankContext, Signals, Start, StopRule
+from dflash.pipeline.hostmem import HostMemory
 from dflash.pipeline.roles import (
     DATA_NCCL,
     FALLBACK,
@@ -75,6 +76,13 @@ class RunSpec:
     pg_timeout_s: float = 600.0  # process-group timeout (tests: <= 60)
     check_transfers: bool = False  # fingerprint every item and re-form its tokens from its id on receipt
     quiet: bool = False
+
+
+def needs_whole_target(cfg: DflashConfig, is_host_drafter: bool) -> bool:
+    """Whether a drafter rank loads the whole target: only the host drafter rank, and only when
+    ``train.eval_every`` runs real speculative decoding there (drafter_loop); every other drafter rank
+    reads just the embedding and LM head from the checkpoint (dflash.model.target.load_target_tables)."""
+    return bool(cfg.train.eval_every) and is_host_drafter
 
 
 def roles_from_env(cfg: DflashConfig) -> Roles:
@@ -118,6 +126,14 @@ def rank_main(spec: RunSpec) -> int:
     return code
 
 
+class CoordinatorFailed(RuntimeError):
+    """The host rank's coordinator thread failed (its exception is the cause, its time ``t`` the failure's)."""
+
+    def __init__(self, exc: BaseException, t: float | None) -> None:
+        super().__init__(f"the coordinator thread failed: {type(exc).__name__}: {exc}")
+        self.t = t
+
+
 def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: BaseException) -> None:
     """One line for the launcher (the rank's .error file) and, under torchrun, on stderr."""
     role = "target" if rank < spec.cfg.cluster.n_target else "drafter"
@@ -127,7 +143,8 @@ def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: Ba
         tb = out / RANKS_DIR / f"rank-{rank}.traceback"
         tb.write_text(f"{line}\n\n" + "".join(traceback.format_exception(exc)))
         line += f" (traceback: {tb})"
-    (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": time.time(), "line": line,
+    t = getattr(exc, "t", None) or time.time()  # a coordinator failure dates from its thread, before its peers'
+    (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": t, "line": line,
                                                                       "config": isinstance(exc, ConfigError)}))
     status(f"failed: {what}")
     status.flush()
@@ -216,21 +233,36 @@ class RankRun:
                                self.progress, self.spec.wait_s, StopRule(self.cfg.train, self.roles.is_coordinator,
                                                                          self.signals), self.gpu_samples)
         self.corpus = Corpus(self.target, self.data, self.sampler, tuple(self.layer_ids))
+        memory = HostMemory(self.out / RANKS_DIR, self.roles.rank, "target" if self.roles.is_target else "drafter")
+        memory.before()  # the memory model is checked against the loop's own peak (dflash/pipeline/hostmem.py)
         if self.roles.is_target:
             self._run_producer()
         else:
-            self._run_drafter()
+            try:
+                self._run_drafter()
+            except BaseException as exc:
+                failed = getattr(getattr(self, "service", None), "error", None)
+                if failed is None or failed is exc:
+                    raise
+                # the host's coordinator thread failed first: that is the cause, not the channel it closed
+                raise CoordinatorFailed(failed, self.service.error_t) from failed
+        memory.after()
         dist.destroy_process_group()  # only after a clean run: a failure leaves without teardown (rank_main)
         return 0
 
     def _load(self) -> None:
-        from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
+        from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target, load_target_tables
         from dflash.pipeline.training_data import TrainingData
 
         self.status("loading the target and the data")
-        where = self.device if self.roles.is_target else "cpu"  # a drafter rank needs only its embedding/LM head
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        self.target = load_target(self.cfg.target.model, device=where, dtype=dtype)
+        tables = None
+        if not self.roles.is_target and not needs_whole_target(self.cfg, self.roles.is_coordinator):
+            tables = load_target_tables(self.cfg.target.model, dtype=dtype)  # embedding and LM head only
+        # a target rank loads straight onto its device; a drafter rank holds the whole target (on the host) only
+        # where it runs train.eval_every's speculative decoding, or where no local checkpoint has the tables
+        self.target = tables or load_target(self.cfg.target.model, device=self.device if self.roles.is_target
+                                             else "cpu", dtype=dtype)
         self.layer_ids = capture_layer_ids(self.target.num_layers, self.cfg.target.capture_layers)
         self.data = TrainingData(self.cfg, self.target.tokenizer)
         self.sampler = self.data.sampler

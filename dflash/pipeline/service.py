@@ -29,6 +29,7 @@ from dflash.pipeline import messages as m
 from dflash.pipeline.channel import Hub
 from dflash.pipeline.checkpoint import ControlWatch, ItemFeed, rejected_change
 from dflash.pipeline.coordinator import Admit, Assignment, Coordinator, NoWork
+from dflash.pipeline.faults import fault
 from dflash.pipeline.ledger import Ledger
 from dflash.pipeline.roles import Roles
 
@@ -131,6 +132,7 @@ class CoordinatorService:
         self.discarded: list[str] = []
         self.summary: dict[str, Any] | None = None
         self.error: BaseException | None = None
+        self.error_t: float | None = None  # when the coordinator thread failed (the host rank names it as the cause)
         self._thread = threading.Thread(target=self._main, name="coordinator", daemon=True)
         self._last_control_poll = 0.0
         self.producer_blocked_s = 0.0
@@ -189,11 +191,13 @@ class CoordinatorService:
             self._apply_control(step=None, at_start=True)
             while len(self._byes) < self.roles.world_size:
                 msgs = self.hub.poll(0.05)
+                if msgs:
+                    fault("coordinator.handle")
                 with self._lock:
                     self._handle(msgs)
                     self._lock.notify_all()
         except BaseException as exc:
-            self.error = exc
+            self.error, self.error_t = exc, time.time()
             with self._lock:
                 self._lock.notify_all()
         finally:

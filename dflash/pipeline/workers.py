@@ -34,6 +34,7 @@ import torch.distributed as dist
 from dflash.core.sampler import ItemSpec
 from dflash.model.flops import StepCounts, train_flops
 from dflash.pipeline.channel import Channel, ChannelError
+from dflash.pipeline.faults import fault
 from dflash.pipeline.messages import (
     Admit,
     Assign,
@@ -142,7 +143,7 @@ class Producer:
         self.held: dict[str, tuple[torch.Tensor, ...]] = {}
         self._lock = threading.Lock()
         self._replies: queue.Queue[Admit | Stop | BaseException] = queue.Queue()
-        self._sends: queue.Queue[tuple[Any, tuple[torch.Tensor, ...]] | None] = queue.Queue()
+        self._sends: queue.Queue[tuple[Any, int] | None] = queue.Queue()  # (posted send, its bytes)
         self.send_s = 0.0
         self.sent_bytes = 0
         self.errors: list[BaseException] = []
@@ -171,6 +172,7 @@ class Producer:
         self.clock.stages.clear()
         synchronize(self.transport.device)
         t0 = time.perf_counter()
+        fault("producer.make")
         tensors = self.make(spec)
         synchronize(self.transport.device)  # the item's device work is in its compute time
         compute = time.perf_counter() - t0
@@ -197,7 +199,11 @@ class Producer:
                     case Send(round=rnd, item_id=item_id, dst=dst):  # post this rank's part of the round at once
                         with self._lock:
                             tensors = self.held.pop(item_id)
-                        self._sends.put((self.transport.post_send(tensors, dst, rnd), tensors))
+                        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                        fault("producer.post_send")
+                        pending = self.transport.post_send(tensors, dst, rnd)
+                        del tensors  # the send keeps what it still reads (on a sharing plane only the packed copy)
+                        self._sends.put((pending, nbytes))
                         self.status(f"sending item {item_id} to rank {dst} in round {rnd}")
                     case Admit() as admit:
                         self._replies.put(admit)
@@ -209,7 +215,7 @@ class Producer:
         except (ChannelError, OSError) as exc:
             self._replies.put(ChannelError(f"lost the coordinator: {exc}"))
             self._sends.put(None)
-        except ProtocolError as exc:
+        except BaseException as exc:  # anything else (CUDA OOM taking a pool buffer, NCCL, IPC): the owner raises it
             self._replies.put(exc)
             self._sends.put(None)
 
@@ -218,9 +224,10 @@ class Producer:
         _use_device(self.transport.device)
         try:
             while (got := self._sends.get()) is not None:
-                pending, tensors = got
+                pending, nbytes = got
+                fault("producer.send_wait")
                 self.send_s += pending.wait()
-                self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+                self.sent_bytes += nbytes
         except BaseException as exc:  # surfaced by run()
             self.errors.append(exc)
             self._replies.put(exc)
@@ -264,6 +271,7 @@ class DrafterWorker:
         """One synchronised optimizer step; None when no drafter rank got an item (drained)."""
         res = StepResult()
         t0 = time.perf_counter()
+        fault("drafter.step")
         self.status(f"step {step}: waiting for a take")
         self.ch.send(Request(step))
         reply = self._answer(step)

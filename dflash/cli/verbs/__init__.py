@@ -12,7 +12,7 @@ import importlib
 from types import ModuleType
 
 NAMES = ("simulate", "sweep", "train", "tune-live", "eval", "export", "calibrate", "validate", "report",
-         "regenerate", "lengths", "demo")
+         "regenerate", "lengths", "demo", "gpu-check")
 
 
 def load() -> dict[str, ModuleType]:

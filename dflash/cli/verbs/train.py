@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -40,11 +41,14 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         return 0
     said: list[str] = []
     cfg = _pin_data(cfg, said.append)
-    check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
+    local = check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
     from dflash.core.memory_model import check_fits
+    from dflash.pipeline.hostmem import device_capacity, node_placement
 
     cfg.cluster.check_trainable()  # a sharded target is simulator-only
-    check_fits(cfg)  # pre-flight: the devices hold the run (sweep.memory_budget_gib per device)
+    placement = node_placement(cfg, local, int(os.environ.get("GROUP_RANK", 0)) * local if under_launcher() else 0)
+    # pre-flight: each device of this node holds the roles placed on it (its own capacity; --force: start anyway)
+    check_fits(cfg, placement, device_capacity([d for _, d in placement]), force=args.force)
     if not under_launcher() or _is_first_rank():  # the data set and model path, once, before any rank starts
         from dflash.data.preflight import check_data_inputs
 
@@ -211,6 +215,7 @@ VERB = Verb("real training run, one process per device", base_config=_base_confi
             metavar="M"),
         Opt("--quality-every", "int", "score the drafter on a held-out set every N steps (>= 1; the step "
             "records' heldout: loss, acceptance and tau with intervals)", key="train.quality_every", metavar="N"),
+        Opt("--force", "switch", "start even where the memory model says a device would not hold the run"),
         Opt("--out", "outdir", "run directory", metavar="DIR"),
         Opt("--resume", "indir", "resume the run in this directory", metavar="DIR"),
         Opt("--wandb", "choice", "W&B mode", choices=WANDB_MODES, default="offline",
