@@ -42,6 +42,9 @@ CONFIGS = {
     "bad_value.toml": "[queue]\nmin_ready = 0\n",
     "bad_seed.toml": "seed = -2\n",
     "bad_type.toml": "[cluster]\nn_target = \"four\"\n",
+    "bad_margin.toml": "[decision]\nmargin_mix_efficiency = 0\n",
+    "bad_level.toml": "[decision]\nlevel = 1.0\n",
+    "bad_refute.toml": "[decision]\nz_refute = -1\n",
 }
 
 # (extra args, names the error line must contain)
@@ -116,6 +119,9 @@ VERB_CASES = {
     ],
     "validate": [
         (["--takes", "0"], ["--takes"]),
+        (["--config", "bad_margin.toml"], ["decision.margin_mix_efficiency", "> 0"]),
+        (["--config", "bad_level.toml"], ["decision.level", "< 1"]),
+        (["--config", "bad_refute.toml"], ["decision.z_refute", "> 0"]),
         (["--top-k", "0"], ["sweep.top_k", "--top-k"]),
         (["--study", "s"], ["--selection", "--study"]),
         (["--calibration", "missing.json"], ["--calibration"]),
