@@ -1,4 +1,4 @@
-"""The held-out quality metric of a validation's runs, read for :mod:`tuning.evidence`.
+"""The held-out quality metric of a validation's runs, read for :mod:`tuning.validation.evidence`.
 
 With ``[train] quality_every`` every configuration's run scores its drafter on the held-out set
 (:mod:`dflash.pipeline.quality`) into its step records under ``heldout``. Configurations are compared
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.core.records import read_records
-from tuning.evidence import Estimate
+from tuning.validation.evidence import Estimate
 
 OFF_NOTE = ("held-out quality objective: off (set [train] quality_every = N, a divisor of the block's steps, to "
             "compare configurations on held-out tau and loss at equal steps)")

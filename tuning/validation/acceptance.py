@@ -1,0 +1,33 @@
+"""tau of a validated configuration's final drafter, on prompts its run never trained on."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from typing import Any
+
+from dflash.core.config import DflashConfig
+from dflash.core.records import read_records
+
+
+def final_tau(cfg: DflashConfig, run_dir: Path, target: Any, prompts: int) -> dict[str, Any]:
+    """tau of the configuration's drafter after its last block, on prompts it never trained on."""
+    from dflash.model.drafter import DFlashDrafter
+    from dflash.pipeline.training_data import TrainingData
+
+    drafter = DFlashDrafter.load(run_dir / "drafter", target.model)
+    data = TrainingData(cfg, target.tokenizer)
+    taken = [i for r in read_records(run_dir, "take") for i in r["item_ids"]]
+    trained = {data.conversations[k].id for k in data.sampler.sequences_of(taken)}
+    return _tau(target, drafter, trained, cfg, prompts)
+
+
+def _tau(target: Any, drafter: Any, trained: set[str], cfg: DflashConfig, n: int) -> dict[str, Any]:
+    """Acceptance length of the trained drafter on held-out prompts (the run's conversations excluded)."""
+    from dflash.model.acceptance import evaluate_acceptance, heldout_prompts
+
+    with contextlib.redirect_stderr(io.StringIO()):  # the data set's damaged-record count: said once, by the command
+        prompts = heldout_prompts(target.tokenizer, n, seed=cfg.seed + 1, sample=cfg.workload.sample,
+                                  skip_ids=trained, dataset=cfg.workload.dataset)
+    return evaluate_acceptance(target, drafter, prompts, max_new_tokens=cfg.train.eval_new_tokens)
