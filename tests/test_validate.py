@@ -18,15 +18,15 @@ from dflash.cli import main
 from dflash.core.config import config_from_dict, load_config, with_overrides
 from dflash.core.records import read_records
 from dflash.data.dataset_choice import pin_dataset
-from tuning.claims import ClaimStore
-from tuning.validate import within_goals
+from tuning.validation.claims import ClaimStore
+from tuning.validation.metrics import within_goals
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = [f"cfg-{k}" for k in range(12)]
 
 WORKER = textwrap.dedent("""
     import sys, time
-    from tuning.claims import ClaimStore
+    from tuning.validation.claims import ClaimStore
     url, ns, tag = sys.argv[1], sys.argv[2], sys.argv[3]
     store = ClaimStore(url, ns)
     store.register({names!r})

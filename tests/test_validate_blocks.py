@@ -9,19 +9,17 @@ from pathlib import Path
 import pytest
 
 from dflash.core.config import DflashConfig
-from tuning.validate import (
+from tuning.validation.metrics import block_table
+from tuning.validation.plan import (
     ValidateArgs,
-    _evidence,
     block_steps,
-    block_table,
-    choose_tuned,
     max_looks,
     split_unit,
-    stop_reason,
     unit_name,
     unit_order,
     unit_ready,
 )
+from tuning.validation.recommendation import choose_tuned, evidence_of, stop_reason
 
 
 def _args(takes: int, block_takes: int) -> ValidateArgs:
@@ -64,14 +62,14 @@ def _rows(means: dict[str, tuple[list[float], list[float], float]]) -> list[dict
              "peak_queue_bytes": peak} for n, (t, m, peak) in means.items() for k in range(len(t))]
 
 
-def test_a_costlier_config_is_not_recommended_on_unresolved_evidence() -> None:
+def test_a_costlier_config_is_not_recommended_on_unresolvedevidence_of() -> None:
     """tuned is a little faster than baseline within the noise and holds 4x the queue memory: the
     recommendation is baseline, and the comparison says it is not resolved."""
     blocks = block_table(_rows({
         "baseline": ([100, 130, 90, 120], [0.80, 0.82, 0.79, 0.81], 1e6),
         "handpicked": ([95, 125, 100, 110], [0.80, 0.81, 0.80, 0.82], 2e6),
         "tuned-1": ([110, 140, 85, 135], [0.81, 0.80, 0.82, 0.80], 4e6)}))
-    chosen, comps, rec = _evidence(blocks, looks=4, block_takes=10)
+    chosen, comps, rec = evidence_of(blocks, looks=4, block_takes=10)
     assert chosen == "tuned-1"
     assert {(c.against, c.objective) for c in comps} == {
         (r, o) for r in ("baseline", "handpicked") for o in ("throughput_tokens_per_s", "mix_efficiency")}
@@ -87,7 +85,7 @@ def test_a_clearly_better_config_is_recommended_and_resolved() -> None:
         "baseline": ([100, 101, 99, 100], [0.50, 0.51, 0.50, 0.49], 1e6),
         "handpicked": ([120, 121, 119, 120], [0.60, 0.61, 0.60, 0.59], 1e6),
         "tuned-1": ([200, 201, 199, 200], [0.90, 0.91, 0.90, 0.89], 3e6)}))
-    chosen, comps, rec = _evidence(blocks, looks=4, block_takes=10)
+    chosen, comps, rec = evidence_of(blocks, looks=4, block_takes=10)
     assert chosen == "tuned-1" and comps and all(c.resolved and c.difference > 0 for c in comps)
     assert rec is not None and rec.name == "tuned-1" and tuple(rec.candidates) == ("tuned-1",)
 
@@ -103,7 +101,7 @@ def test_blocks_too_short_for_a_mix_are_decided_on_throughput_alone() -> None:
     rows = [{**r, "mix_efficiency": None} for r in _rows({
         "baseline": ([100, 101, 99, 100], [0, 0, 0, 0], 1e6),
         "tuned-1": ([200, 201, 199, 200], [0, 0, 0, 0], 3e6)})]
-    chosen, comps, rec = _evidence(block_table(rows), looks=4, block_takes=10)
+    chosen, comps, rec = evidence_of(block_table(rows), looks=4, block_takes=10)
     assert chosen == "tuned-1"
     assert [(c.against, c.objective, c.resolved) for c in comps] == [("baseline", "throughput_tokens_per_s", True)]
     assert rec is not None and rec.name == "tuned-1" and "on throughput" in rec.words
@@ -113,7 +111,7 @@ def test_a_config_without_throughput_blocks_is_left_out_of_the_decision() -> Non
     rows = _rows({"baseline": ([100, 101], [0.5, 0.5], 1e6), "tuned-1": ([150, 151], [0.6, 0.6], 2e6)})
     rows.append({"name": "tuned-2", "block": 0, "throughput_tokens_per_s": None, "mix_efficiency": None,
                  "peak_queue_bytes": 1.0})
-    chosen, comps, rec = _evidence(block_table(rows), looks=2, block_takes=10)
+    chosen, comps, rec = evidence_of(block_table(rows), looks=2, block_takes=10)
     assert chosen == "tuned-1" and {c.objective for c in comps} == {"throughput_tokens_per_s", "mix_efficiency"}
     assert rec is not None and "tuned-2" not in rec.candidates
 
@@ -125,8 +123,8 @@ def test_a_config_without_throughput_blocks_is_left_out_of_the_decision() -> Non
     (["done", "failed", "skipped"], [True, True], "failed"),  # skipped because a config failed
     (["done"], [], "budget"),  # nothing to compare
 ])
-def test_the_stop_reason_follows_the_evidence(statuses: list, resolved: list, reason: str) -> None:
-    from tuning.evidence import Comparison
+def test_the_stop_reason_follows_theevidence_of(statuses: list, resolved: list, reason: str) -> None:
+    from tuning.validation.evidence import Comparison
 
     comps = [Comparison("t", "baseline", "throughput_tokens_per_s", 1.0, (0.5, 1.5) if ok else (-1.0, 2.0),
                         ok, 0.1, (2, 2)) for ok in resolved]

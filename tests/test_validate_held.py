@@ -18,7 +18,8 @@ import pytest
 from dflash.core.config import load_config
 from dflash.core.records import read_records
 from tests.test_resume_and_control import run_inputs, write_cfg  # noqa: F401 - the fixture
-from tuning.validate import ValidateArgs, _release, block_steps, run_block
+from tuning.validation.plan import ValidateArgs, block_steps
+from tuning.validation.runner import release, run_block
 
 ENTRIES = [{"name": "a", "queue": {"min_ready": 3, "max_depth": 6, "policy": "random_item"}},
            {"name": "b", "queue": {"min_ready": 2, "max_depth": 4, "policy": "fifo"}}]
@@ -36,13 +37,13 @@ def held(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> dict:  # noqa:
         for block in range(3):
             for entry in ENTRIES:
                 rows.append(run_block(entry, block, base, args, progress=lambda _m: None))
-        _release()
+        release()
     finally:
-        from tuning.validate import _HELD
+        from tuning.validation.runner import HELD
 
-        for job in list(_HELD.values()):
+        for job in list(HELD.values()):
             job.kill()
-        _HELD.clear()
+        HELD.clear()
     return {"rows": rows, "out": args.out, "base": base, "args": args}
 
 
@@ -118,8 +119,9 @@ def test_the_driver_gone_a_held_job_ends_itself_cleanly(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- the held-out objective (issue #27)
 def test_every_block_end_is_scored_on_one_held_out_set_and_validation_compares_it(held) -> None:
-    from tuning.quality import heldout_evidence
-    from tuning.validate import _evidence, block_table
+    from tuning.validation.metrics import block_table
+    from tuning.validation.quality import heldout_evidence
+    from tuning.validation.recommendation import evidence_of
 
     runs = {e["name"]: held["out"] / "runs" / e["name"] for e in ENTRIES}
     for run in runs.values():
@@ -132,7 +134,7 @@ def test_every_block_end_is_scored_on_one_held_out_set_and_validation_compares_i
         h = ev["configs"][n]
         assert h["sequences"] == n_seq and h["tau"] >= 1.0 and h["tau_ci"][0] <= h["tau"] <= h["tau_ci"][1]
         assert set(ev["estimates"][n]) == {"heldout_tau", "heldout_loss"}
-    _, _, rec = _evidence(block_table(held["rows"]), looks=3, block_takes=8, heldout=ev["estimates"])
+    _, _, rec = evidence_of(block_table(held["rows"]), looks=3, block_takes=8, heldout=ev["estimates"])
     assert rec is not None and {"heldout_tau", "heldout_loss"} <= set(rec.objectives)
     held_comps = [c for c in rec.against_best if c.objective in ("heldout_tau", "heldout_loss")]
     assert len(held_comps) == 2 and all(c.blocks == (n_seq, n_seq) for c in held_comps)

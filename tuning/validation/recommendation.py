@@ -42,8 +42,8 @@ def choose_tuned(blocks: dict[str, dict[str, list[float]]], objectives: Sequence
 def evidence_of(blocks: dict[str, dict[str, list[float]]], looks: int, block_takes: int,
               heldout: HeldoutEstimates | None = None) -> tuple[str | None, list[Comparison], Recommendation | None]:
     """(the tuned config under test, its comparisons, the recommendation) on the objectives every
-    measured configuration has (:func:`tuning.evidence.measured_objectives`), plus the held-out
-    objectives when ``heldout`` has them (after the last round: :mod:`tuning.quality`); configurations
+    measured configuration has (:func:`tuning.validation.evidence.measured_objectives`), plus the held-out
+    objectives when ``heldout`` has them (after the last round: :mod:`tuning.validation.quality`); configurations
     without a throughput block are left out."""
     measured = {n: b for n, b in blocks.items() if b["throughput_tokens_per_s"]}
     objectives = measured_objectives(measured)

@@ -29,7 +29,7 @@ def config_row(entry: dict[str, Any], blocks: list[dict[str, Any]], base: Dflash
     calibrated alone (drift) and the drift-corrected prediction of one configuration.
 
     ``drift`` is one number, the machine drift's effect on the predicted throughput (a-priori over
-    drift-corrected prediction, minus 1; :func:`tuning.drift.effect`); ``drift_detail`` has the
+    drift-corrected prediction, minus 1; :func:`tuning.validation.drift.effect`); ``drift_detail`` has the
     per-stage changes (target seconds per item, drafter seconds per take) behind it."""
     from tuning.validation.drift import effect, own_calibration, stage_drift, timing_of
 

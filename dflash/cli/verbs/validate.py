@@ -1,5 +1,5 @@
 """``dflash validate``: The selection on the real trainer, compared with the calibrated simulator
-(tuning/validate.py)."""
+(tuning/validation/)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,10 @@ from dflash.core.errors import ConfigError
 
 
 def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
-    """The selection on the real trainer, compared with the calibrated simulator (tuning/validate.py)."""
-    from tuning.validate import (
-        ValidateArgs,
-        claims_url_for,
-        format_validation,
-        progress_printer,
-        read_selection,
-        run_validation,
-        selection_from_study,
-    )
+    """The selection on the real trainer, compared with the calibrated simulator (tuning/validation/)."""
+    from tuning.validation.job import run_validation
+    from tuning.validation.plan import ValidateArgs, claims_url_for, read_selection, selection_from_study
+    from tuning.validation.summary import format_validation, progress_printer
 
     out = Path(args.out) if args.out else Path("validation")
     if args.selection:
