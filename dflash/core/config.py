@@ -437,12 +437,12 @@ class DecisionConfig:
     defaults come from ``benchmarks/decision_oc.py`` (docs/ARCHITECTURE.md, "Decisions").
     """
 
-    margin_throughput: float = 0.05
-    margin_mix_efficiency: float = 0.03
+    margin_throughput: float = 0.10
+    margin_mix_efficiency: float = 0.05
     margin_heldout_tau: float = 0.02
     margin_heldout_loss: float = 0.2
     level: float = 0.95
-    z_refute: float = 3.0
+    z_refute: float = 2.0
 
     def __post_init__(self) -> None:
         check_float("decision.margin_throughput", self.margin_throughput, 0.0, 1.0, lo_open=True)

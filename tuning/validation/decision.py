@@ -95,7 +95,7 @@ class DecisionPolicy:
 
     margins: Mapping[str, float]
     level: float = 0.95
-    z_refute: float = 3.0
+    z_refute: float = 2.0
     looks: int = 1
     objectives: tuple[str, ...] = ("throughput_tokens_per_s", "mix_efficiency")
 
@@ -203,7 +203,7 @@ def pair_evidence(candidate: str, reference: str, objective: str, *, sim_candida
     hd, hse, hdf, src, n = round_difference(hw_candidate, hw_reference, model_block_sd=model_block_sd,
                                             min_rounds=min_rounds)
     if scale is None:
-        ref = list(sim_reference) if sim_reference else list(hw_reference)
+        ref = list(sim_reference) if sim_reference is not None and len(sim_reference) else list(hw_reference)
         scale = abs(_mean(ref)) if ref else 1.0
     return Evidence(candidate, reference, objective, sd, sse, hd, hse, hdf, src, n, float(scale))
 

@@ -1,0 +1,361 @@
+"""Operating characteristics of validation's decision (issue #32 item 4): how often it is right.
+
+The whole procedure of :mod:`tuning.validation.decision` runs against synthetic "hardware" made by the
+simulator, in worlds where the simulator's error on a *difference* between two configurations is known:
+
+- world ``0``: the simulator is right;
+- world ``+0.5``: the hardware's difference of the simulator's pick against its closest rival is
+  0.5 margin larger than predicted, on every objective (biased, the ranking kept);
+- world ``-2``: it is 2 margins smaller (the ranking reversed).
+
+How. The demo's three configurations (the sweep's pick ``tuned-1``, ``baseline`` 10/30, ``handpicked``
+30/90) are simulated under a CPU calibration of the demo profile (``examples/cpu-smollm2.toml``; the
+timing of a ``dflash demo`` calibration run on the 2-core machine, :data:`DEMO_TIMING`). From each
+seed's run the blocks validation measures are cut: consecutive blocks of ``--block-takes`` takes (the
+sampler's mega_batch, 64), metrics with the same window W = 32 as the prediction, the first block (the
+start-up transient) dropped. Seeds ``HW_SEEDS`` make the hardware's pool; seeds ``PRED_SEEDS``,
+disjoint from them (as validation's prediction seeds are disjoint from the sweep's), make the
+simulator's. Blocks of one seed and index pair the configurations (the same data order: a paired round).
+
+A replication draws ``rounds`` paired rounds from the hardware pool (the budget: ``--budget-takes``
+over the validated configurations, one look at the end) and ``--pred-seeds`` prediction seeds, adds the
+world's bias to the pick's hardware blocks (the simulator's prediction stays unshifted), builds the
+evidence of every pair and objective with :func:`tuning.validation.decision.pair_evidence` (the
+simulator's block-to-block spread from the prediction seeds' own blocks stands in for the hardware's
+when there are too few rounds) and decides. Against the truth (the hardware pool's means plus the bias):
+
+- **correct**: the outcome is ``decided``/``equivalent`` and the chosen configuration is not truly
+  worse than another by more than the margin on any objective where that other is not worse by more
+  than its margin (it is the best or within the margin of it);
+- **false**: decided/equivalent on a configuration truly worse than that;
+- **undecided**: the outcome is ``undecided`` (it names what it would take).
+
+Rates come with Wilson 95% intervals. ``--grid`` also runs the settings tried while tuning the
+defaults. Prints the table and writes it into benchmarks/RESULTS.md (``--no-record``: print only).
+
+    python benchmarks/decision_oc.py                    # demo budget, 200 replications per world
+    python benchmarks/decision_oc.py --budget-takes 1200 --no-record
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dflash.core.config import DecisionConfig, DflashConfig, load_config, with_overrides  # noqa: E402
+from tuning.validation.decision import SENSE, DecisionPolicy, decide, pair_evidence  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+SECTION = "## Decision operating characteristics (`benchmarks/decision_oc.py`, issue #32)"
+PROFILE = ROOT / "examples" / "cpu-smollm2.toml"
+OBJECTIVES = ("throughput_tokens_per_s", "mix_efficiency")
+WORLDS = (0.0, 0.5, -2.0)
+CONFIGS: dict[str, dict[str, Any]] = {  # the demo's validated configurations (tuned-1: a demo sweep's knee)
+    "tuned-1": {"min_ready": 114, "max_depth": 130, "policy": "random_item", "gate": "hysteresis"},
+    "baseline": {"min_ready": 10, "max_depth": 30, "policy": "random_item", "gate": "threshold"},
+    "handpicked": {"min_ready": 30, "max_depth": 90, "policy": "random_item", "gate": "threshold"},
+}
+PICK, RIVAL = "tuned-1", "handpicked"  # the world's bias is on this difference
+HW_SEEDS = range(1000, 1040)
+PRED_SEEDS = range(2000, 2040)
+# `dflash demo`'s calibration of examples/cpu-smollm2.toml on the 2-core machine (2026-12-06 02:03 UTC,
+# calibration.json of a cold demo run): per-item target and per-take drafter costs; the empirical noise
+# is summarised by its coefficient of variation (target 0.27, drafter 0.38) as lognormal noise.
+DEMO_TIMING = {"target_fixed_s": 0.0603, "target_per_token_s": 0.003917, "target_noise": "lognormal",
+               "target_cv": 0.27, "drafter_fixed_s": 0.0, "drafter_per_token_s": 0.000413,
+               "drafter_per_anchor_s": 0.02528, "drafter_noise": "lognormal", "drafter_cv": 0.38,
+               "hidden_size": 576, "dtype_bytes": 4}
+SECONDS_PER_TAKE = 1.9  # the demo's measured CPU take (issue #32): 200 takes ~ 400 s of validation
+
+
+@dataclass(frozen=True)
+class Pools:
+    """Per configuration, per seed, per block: (throughput, mix_efficiency); and peak queue bytes."""
+
+    hw: Mapping[str, np.ndarray]  # name -> [seed, block, objective]
+    pred: Mapping[str, np.ndarray]
+    peak: Mapping[str, float]
+    block_takes: int
+    window: int
+
+
+@dataclass(frozen=True)
+class Setting:
+    margins: Mapping[str, float]
+    z_refute: float
+    level: float
+    rounds: int
+    pred_seeds: int
+
+    def label(self) -> str:
+        return (f"margins thr {self.margins['throughput_tokens_per_s']:.0%} mix {self.margins['mix_efficiency']:g}, "
+                f"z_refute {self.z_refute:g}, {self.rounds} round(s)")
+
+
+def base_config() -> DflashConfig:
+    return with_overrides(load_config(PROFILE), {f"timing.{k}": v for k, v in DEMO_TIMING.items()})
+
+
+def seed_blocks(cfg: DflashConfig, queue: Mapping[str, Any], seed: int, blocks: int, block_takes: int
+                ) -> tuple[list[tuple[float, float]], float]:
+    """One simulated run cut into validation's blocks: (throughput, mix_efficiency) per block after the first."""
+    from dflash.core.mixmetrics import entropy, expected_window_entropy, window_counts
+    from simulator.run import simulate
+    from simulator.workload import make_sampler
+
+    c = with_overrides(cfg, {**{f"queue.{k}": v for k, v in queue.items()}, "seed": seed})
+    sampler = make_sampler(c.workload, c.target.model, c.seed, c.drafter.block_size)
+    res = simulate(c, sampler, sim_seconds=1e9, max_steps=block_takes * (blocks + 1), keep_records=True)
+    p, window = sampler.item_mix(), c.metrics.window
+    expected = expected_window_entropy(p, window)
+    tokens = {r["item_id"]: r["real_tokens"] for r in res.produce}
+    takes = sorted(res.take, key=lambda r: r["t"])
+    out = []
+    for k in range(1, blocks + 1):
+        blk = takes[k * block_takes:(k + 1) * block_takes]
+        if len(blk) < block_takes:
+            break
+        buckets = [r["bucket"] for r in blk for _ in r["item_ids"]]
+        mix = float(np.mean([entropy(n) for n in window_counts(buckets, window, len(p))])) / expected
+        span = float(blk[-1]["t"]) - float(takes[k * block_takes - 1]["t"])
+        out.append((sum(tokens[i] for r in blk for i in r["item_ids"]) / span, mix))
+    return out, float(res.metrics["peak_queue_bytes"])
+
+
+def build_pools(blocks: int, block_takes: int, hw_seeds: Sequence[int] = HW_SEEDS,
+                pred_seeds: Sequence[int] = PRED_SEEDS) -> Pools:
+    cfg = base_config()
+    hw, pred, peak = {}, {}, {}
+    for name, queue in CONFIGS.items():
+        runs = [seed_blocks(cfg, queue, s, blocks, block_takes) for s in hw_seeds]
+        hw[name] = np.array([r[0] for r in runs])
+        pred[name] = np.array([seed_blocks(cfg, queue, s, blocks, block_takes)[0] for s in pred_seeds])
+        peak[name] = max(r[1] for r in runs)
+    return Pools(hw, pred, peak, block_takes, cfg.metrics.window)
+
+
+def cached_pools(path: Path | None, blocks: int, block_takes: int) -> Pools:
+    """The pools, from ``path`` when it holds pools of the same shape, else built (and saved there)."""
+    if path is not None and path.exists():
+        z = np.load(path)
+        if int(z["block_takes"]) == block_takes and z[f"hw:{PICK}"].shape[1] == blocks:
+            return Pools({n: z[f"hw:{n}"] for n in CONFIGS}, {n: z[f"pred:{n}"] for n in CONFIGS},
+                         {n: float(z[f"peak:{n}"]) for n in CONFIGS}, block_takes, int(z["window"]))
+    pools = build_pools(blocks, block_takes)
+    if path is not None:
+        np.savez(path, block_takes=block_takes, window=pools.window, **{f"hw:{n}": pools.hw[n] for n in CONFIGS},
+                 **{f"pred:{n}": pools.pred[n] for n in CONFIGS}, **{f"peak:{n}": pools.peak[n] for n in CONFIGS})
+    return pools
+
+
+def truth(pools: Pools, bias: float, margins: Mapping[str, float]) -> dict[str, np.ndarray]:
+    """The true hardware means per configuration, with the world's bias on the pick (margins apart)."""
+    true = {n: a.mean(axis=(0, 1)) for n, a in pools.hw.items()}
+    true[PICK] = true[PICK] + bias * _margin_vector(margins, true[RIVAL])
+    return true
+
+
+def _margin_vector(margins: Mapping[str, float], level: np.ndarray) -> np.ndarray:
+    """Each objective's margin in its unit (throughput's is a fraction of the rival's level)."""
+    return np.array([margins["throughput_tokens_per_s"] * level[0], margins["mix_efficiency"]])
+
+
+def acceptable(true: Mapping[str, np.ndarray], margins: Mapping[str, float]) -> set[str]:
+    """Configurations no other beats by more than a margin on some objective while within the margin on all."""
+    names = list(true)
+    ok = set()
+    for x in names:
+        beaten = False
+        for y in names:
+            if y == x:
+                continue
+            m = _margin_vector(margins, true[x])
+            gain = np.array([SENSE[o] for o in OBJECTIVES]) * (true[y] - true[x])
+            if np.any(gain > m) and np.all(gain > -m):
+                beaten = True
+        if not beaten:
+            ok.add(x)
+    return ok
+
+
+def replicate(pools: Pools, setting: Setting, bias: float, rng: random.Random) -> tuple[str, bool]:
+    """One validation against synthetic hardware: ('correct'|'false'|'undecided', simulator refuted?)."""
+    names = list(CONFIGS)
+    n_seed, n_block = pools.hw[names[0]].shape[:2]
+    cells = [(rng.randrange(n_seed), rng.randrange(n_block)) for _ in range(setting.rounds)]
+    seeds = rng.sample(range(pools.pred[names[0]].shape[0]), setting.pred_seeds)
+    true = truth(pools, bias, setting.margins)
+    shift = true[PICK] - pools.hw[PICK].mean(axis=(0, 1))
+    hw = {n: np.array([pools.hw[n][s, b] for s, b in cells]) + (shift if n == PICK else 0.0) for n in names}
+    sim = {n: pools.pred[n][seeds].mean(axis=1) for n in names}  # per prediction seed: its blocks' mean
+    evidence = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            for j, o in enumerate(OBJECTIVES):
+                pair_sd = float(np.std(pools.pred[a][seeds, :, j] - pools.pred[b][seeds, :, j], ddof=1))
+                evidence.append(pair_evidence(a, b, o, sim_candidate=sim[a][:, j], sim_reference=sim[b][:, j],
+                                              hw_candidate=hw[a][:, j], hw_reference=hw[b][:, j],
+                                              model_block_sd=pair_sd))
+    policy = DecisionPolicy(margins=dict(setting.margins), level=setting.level, z_refute=setting.z_refute,
+                            looks=1, objectives=OBJECTIVES)
+    d = decide(evidence, pools.peak, policy)
+    refuted = any(c.refuted for c in d.comparisons)
+    if d.outcome == "undecided":
+        return "undecided", refuted
+    return ("correct" if d.chosen in acceptable(true, setting.margins) else "false"), refuted
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (good near 0 and 1, unlike the normal one)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def run_world(pools: Pools, setting: Setting, bias: float, reps: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(f"{seed}:{bias}")
+    counts = {"correct": 0, "false": 0, "undecided": 0, "refuted": 0, "refuted_or_correct": 0}
+    for _ in range(reps):
+        outcome, refuted = replicate(pools, setting, bias, rng)
+        counts[outcome] += 1
+        counts["refuted"] += refuted
+        counts["refuted_or_correct"] += refuted or outcome == "correct"
+    return {"world": bias, "reps": reps, **counts,
+            **{f"{k}_ci": wilson(v, reps) for k, v in counts.items()},
+            "takes": setting.rounds * pools.block_takes * len(CONFIGS)}
+
+
+def default_setting(rounds: int, pred_seeds: int) -> Setting:
+    dc = DecisionConfig()
+    return Setting({"throughput_tokens_per_s": dc.margin_throughput, "mix_efficiency": dc.margin_mix_efficiency},
+                   dc.z_refute, dc.level, rounds, pred_seeds)
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    rate = _rate
+    out = ["| world (bias / margin) | correct | false | undecided | simulator refuted | refuted or correct | "
+           "takes per replication |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['world']:+g} | {rate(r, 'correct')} | {rate(r, 'false')} | {rate(r, 'undecided')} | "
+                   f"{rate(r, 'refuted')} | {rate(r, 'refuted_or_correct')} | {r['takes']} |")
+    return "\n".join(out)
+
+
+def goals(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The issue's goals, each with the figure that meets or misses it."""
+    by = {r["world"]: r for r in rows}
+    out = []
+    if 0.0 in by:
+        c = by[0.0]["correct"] / by[0.0]["reps"]
+        out.append(f"world 0 correct >= 90%: {'met' if c >= 0.9 else 'MISSED'} ({c:.0%})")
+    worst = max(rows, key=lambda r: r["false_ci"][1])
+    out.append(f"false <= 5% (upper bound) in every world: {'met' if worst['false_ci'][1] <= 0.05 else 'MISSED'} "
+               f"(largest upper bound {worst['false_ci'][1]:.1%}, world {worst['world']:+g})")
+    if -2.0 in by:
+        r = by[-2.0]["refuted_or_correct"] / by[-2.0]["reps"]
+        out.append(f"world -2 refuted or correct >= 80%: {'met' if r >= 0.8 else 'MISSED'} ({r:.0%})")
+    return out
+
+
+def record(text: str, path: Path = RESULTS) -> None:
+    """Put the block between this benchmark's markers into RESULTS.md (replacing an earlier one)."""
+    begin, end = "<!-- decision-oc -->", "<!-- /decision-oc -->"
+    block = f"{begin}\n{text}\n{end}"
+    doc = path.read_text()
+    if begin in doc and end in doc:
+        doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
+    else:
+        doc = doc.rstrip("\n") + f"\n\n{SECTION}\n\n{block}\n"
+    path.write_text(doc)
+
+
+def rounds_for(budget_takes: int, block_takes: int) -> int:
+    return budget_takes // (block_takes * len(CONFIGS))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=200, help="replications per world (>= 1)")
+    ap.add_argument("--budget-takes", type=int, default=200,
+                    help="measured takes over all validated configurations (the demo: ~400 s at ~1.9 s/take)")
+    ap.add_argument("--block-takes", type=int, default=64, help="takes per block (the sampler's mega_batch)")
+    ap.add_argument("--pred-seeds", type=int, default=8, help="prediction seeds per replication")
+    ap.add_argument("--pool-blocks", type=int, default=6, help="blocks per simulated seed in the pools")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache", type=Path, default=None, help="keep the pools in this .npz (reused when it exists)")
+    ap.add_argument("--grid", action="store_true", help="also run the settings tried while tuning the defaults")
+    ap.add_argument("--no-record", action="store_true", help="print only; leave benchmarks/RESULTS.md alone")
+    a = ap.parse_args(argv)
+    for flag, v, lo in (("--reps", a.reps, 1), ("--block-takes", a.block_takes, 1), ("--pred-seeds", a.pred_seeds, 2),
+                        ("--pool-blocks", a.pool_blocks, 1), ("--budget-takes", a.budget_takes, 1)):
+        if v < lo:
+            print(f"decision_oc: error: {flag}: must be an integer >= {lo} (got {v})", file=sys.stderr)
+            return 2
+    rounds = rounds_for(a.budget_takes, a.block_takes)
+    if rounds < 1:
+        print(f"decision_oc: error: --budget-takes: must give at least one block of {a.block_takes} takes to each of "
+              f"{len(CONFIGS)} configurations (>= {a.block_takes * len(CONFIGS)}; got {a.budget_takes})",
+              file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    pools = cached_pools(a.cache, a.pool_blocks, a.block_takes)
+    t_pool = time.perf_counter() - t0
+    setting = default_setting(rounds, a.pred_seeds)
+    rows = [run_world(pools, setting, w, a.reps, a.seed) for w in WORLDS]
+    text = [f"decision-oc: {setting.label()}, budget {a.budget_takes} takes "
+            f"(~{a.budget_takes * SECONDS_PER_TAKE:.0f} s at {SECONDS_PER_TAKE} s/take), "
+            f"{a.reps} replications per world, {a.pred_seeds} prediction seeds; "
+            f"python benchmarks/decision_oc.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "", table(rows), "", *[f"- {g}" for g in goals(rows)]]
+    if a.grid:
+        text += ["", "Settings tried (the same pools; world 0 correct, the largest false rate's upper bound over the "
+                 "worlds, world -2 refuted or correct, world -2 false):", "",
+                 "| margins (throughput, mix) | z_refute | rounds | takes | world 0 correct | false, max upper bound | "
+                 "world -2 refuted or correct | world -2 false |", "|---|---|---|---|---|---|---|---|"]
+        for s in grid_settings(rounds, a.pred_seeds):
+            g = {w: run_world(pools, s, w, a.reps, a.seed) for w in WORLDS}
+            text.append(f"| {s.margins['throughput_tokens_per_s']:.0%}, {s.margins['mix_efficiency']:g} | "
+                        f"{s.z_refute:g} | {s.rounds} | {g[0.0]['takes']} | {_rate(g[0.0], 'correct')} | "
+                        f"{max(r['false_ci'][1] for r in g.values()):.1%} | {_rate(g[-2.0], 'refuted_or_correct')} | "
+                        f"{_rate(g[-2.0], 'false')} |")
+    text.append(f"\n(pools {t_pool:.0f} s, total {time.perf_counter() - t0:.0f} s wall on 2 shared cores)")
+    out = "\n".join(text)
+    print(out)
+    if not a.no_record:
+        record(out)
+    return 0
+
+
+def grid_settings(rounds: int, pred_seeds: int) -> list[Setting]:
+    """What was tried while tuning the defaults: margins, the refutation threshold, and budgets."""
+    out = []
+    for thr, mix in ((0.05, 0.03), (0.05, 0.05), (0.10, 0.05)):
+        for z in (2.0, 2.5, 3.0):
+            for r in sorted({rounds, 4 * rounds, 10 * rounds}):
+                out.append(Setting({"throughput_tokens_per_s": thr, "mix_efficiency": mix}, z, 0.95, r, pred_seeds))
+    return out
+
+
+def _rate(r: dict[str, Any], k: str) -> str:
+    lo, hi = r[f"{k}_ci"]
+    return f"{r[k] / r['reps']:.0%} [{lo:.0%}, {hi:.0%}]"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

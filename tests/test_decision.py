@@ -1,0 +1,264 @@
+"""The decision with the simulator and the hardware together (tuning.validation.decision): pure, fast.
+
+Each test names the property it holds: equivalence is declared exactly when every interval lies inside
+the margins; a refuted simulator leaves the hardware alone; τ is fixed in advance, never fitted from
+the runs judged; the level is split over looks x comparisons x objectives; the decision rebuilds from
+its JSON.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import re
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from dflash.core.config import DecisionConfig
+from tuning.validation import decision as dm
+from tuning.validation.decision import (
+    BucketUse,
+    DecisionPolicy,
+    Evidence,
+    Pathology,
+    answer_sentences,
+    combine,
+    decide,
+    decide_from_json,
+    pair_evidence,
+    round_difference,
+    split_alpha,
+)
+from tuning.validation.model_error import MODEL_ERROR
+
+ROOT = Path(__file__).resolve().parent.parent
+OBJ = ("throughput_tokens_per_s", "mix_efficiency")
+POLICY = DecisionPolicy.from_config(DecisionConfig(), looks=1, objectives=OBJ)
+
+
+def hw_only(a: str, b: str, objective: str, d: float, se: float) -> Evidence:
+    """Hardware-only evidence with a normal interval (no simulator prediction)."""
+    return Evidence(a, b, objective, None, 0.0, d, se, math.inf, dm.HW_SE_BLOCKS, 10, 1.0)
+
+
+def both(a: str, b: str, objective: str, sim: float, hw: float, *, sim_se: float = 0.001, hw_se: float = 0.05,
+         scale: float = 1.0) -> Evidence:
+    return Evidence(a, b, objective, sim, sim_se, hw, hw_se, math.inf, dm.HW_SE_MODEL, 1, scale)
+
+
+# --------------------------------------------------------------------------- equivalence
+@pytest.mark.parametrize(("d", "se", "equivalent"), [
+    (0.0, 0.01, True),  # half-width 0.0196 at level 0.95 (one comparison): inside +-0.05
+    (0.03, 0.01, True),  # [0.0104, 0.0496]: inside, although it excludes 0
+    (0.035, 0.01, False),  # [0.0154, 0.0546]: pokes out above
+    (-0.035, 0.01, False),  # pokes out below
+    (0.0, 0.03, False),  # too wide
+])
+def test_equivalence_is_declared_exactly_when_the_interval_lies_inside_the_margin(d, se, equivalent):
+    policy = DecisionPolicy(margins={"mix_efficiency": 0.05}, objectives=("mix_efficiency",))
+    c = combine(hw_only("a", "b", "mix_efficiency", d, se), policy, split_alpha(0.95, 1, 1, 1))
+    assert (c.verdict == "equivalent") is equivalent
+    assert (c.verdict == "equivalent") == (c.interval[0] > -0.05 and c.interval[1] < 0.05)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-0.2, 0.2), st.floats(0.001, 0.1), st.floats(0.01, 0.2))
+def test_verdicts_follow_the_interval(d, se, margin):
+    policy = DecisionPolicy(margins={"mix_efficiency": margin}, objectives=("mix_efficiency",))
+    c = combine(hw_only("a", "b", "mix_efficiency", d, se), policy, 0.01)
+    lo, hi = c.interval
+    assert hi - lo == pytest.approx(2 * stats.norm.ppf(1 - 0.005) * se)
+    expected = ("equivalent" if -margin < lo and hi < margin else "better" if lo > 0 else "worse" if hi < 0
+                else "unresolved")
+    assert c.verdict == expected
+
+
+def test_two_configurations_within_the_margins_are_equivalent_and_the_cheaper_wins():
+    ev = [hw_only("big", "small", "throughput_tokens_per_s", 0.0, 0.001),
+          hw_only("big", "small", "mix_efficiency", 0.01, 0.005)]
+    d = decide(ev, {"big": 3e8, "small": 1e8}, POLICY)
+    assert (d.outcome, d.chosen, set(d.survivors)) == ("equivalent", "small", {"big", "small"})
+    # one interval poking out of its margin (and holding 0): no longer an equivalence
+    ev[1] = hw_only("big", "small", "mix_efficiency", 0.02, 0.02)
+    d = decide(ev, {"big": 3e8, "small": 1e8}, POLICY)
+    assert d.outcome == "undecided" and d.chosen == "small"
+    # poking out and clear of 0: the costlier one is better, and decided
+    ev[1] = hw_only("big", "small", "mix_efficiency", 0.04, 0.01)
+    d = decide(ev, {"big": 3e8, "small": 1e8}, POLICY)
+    assert (d.outcome, d.chosen, d.decided_by) == ("decided", "big", ("mix_efficiency",))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(-0.1, 0.1), st.floats(0.001, 0.05)), min_size=6, max_size=6))
+def test_an_equivalence_outcome_has_every_survivor_interval_inside_the_margins(draws):
+    names = ("a", "b", "c")
+    ev = [hw_only(x, y, o, d, se) for (x, y), o, (d, se) in
+          zip([p for p in combinations(names, 2) for _ in OBJ], OBJ * 3, draws, strict=True)]
+    d = decide(ev, {"a": 1.0, "b": 2.0, "c": 3.0}, POLICY)
+    if d.outcome == "equivalent":
+        for c in d.comparisons:
+            if {c.candidate, c.reference} <= set(d.survivors):
+                assert -c.margin < c.interval[0] and c.interval[1] < c.margin
+        assert d.chosen == min(d.survivors, key={"a": 1.0, "b": 2.0, "c": 3.0}.get)
+    if d.outcome == "decided":  # the chosen one is beaten by nobody and beats the rest (directly or not)
+        assert d.survivors == (d.chosen,)
+
+
+def test_a_resolved_trade_off_is_undecided_not_a_win():
+    ev = [hw_only("a", "b", "throughput_tokens_per_s", 0.5, 0.01), hw_only("a", "b", "mix_efficiency", -0.2, 0.01)]
+    d = decide(ev, {"a": 1.0, "b": 2.0}, POLICY)
+    assert d.outcome == "undecided" and "trade-off" in d.note
+
+
+# --------------------------------------------------------------------------- combination and refutation
+def test_the_combination_is_precision_weighted():
+    tau = MODEL_ERROR["mix_efficiency"].tau
+    e = both("a", "b", "mix_efficiency", 0.02, 0.05, sim_se=0.004, hw_se=0.03)
+    c = combine(e, POLICY, 0.01)
+    w_sim, w_hw = 1 / (0.004 ** 2 + tau ** 2), 1 / 0.03 ** 2
+    assert c.difference == pytest.approx((w_sim * 0.02 + w_hw * 0.05) / (w_sim + w_hw))
+    assert c.se == pytest.approx((w_sim + w_hw) ** -0.5)
+    assert c.tau == tau and not c.refuted and c.source in (dm.SOURCE_BOTH, dm.SOURCE_SIM)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-0.5, 0.5), st.floats(-0.5, 0.5), st.floats(0.0, 0.05), st.floats(0.005, 0.2), st.floats(0.5, 4))
+def test_a_refuted_simulator_leaves_the_hardware_alone(sim, hw, sim_se, hw_se, z_refute):
+    policy = DecisionPolicy(margins={"mix_efficiency": 0.05}, z_refute=z_refute, objectives=("mix_efficiency",))
+    c = combine(both("a", "b", "mix_efficiency", sim, hw, sim_se=sim_se, hw_se=hw_se), policy, 0.01)
+    tau = MODEL_ERROR["mix_efficiency"].tau
+    z = (sim - hw) / math.sqrt(sim_se ** 2 + tau ** 2 + hw_se ** 2)
+    assert c.gap_z == pytest.approx(z)
+    assert c.refuted == (abs(z) > z_refute)
+    if c.refuted:
+        assert (c.difference, c.se, c.sim_weight) == (hw, hw_se, 0.0)
+        assert c.source.startswith("hardware alone (simulator refuted, gap z=")
+    else:
+        assert min(sim, hw) - 1e-12 <= c.difference <= max(sim, hw) + 1e-12
+        assert c.se <= hw_se
+
+
+def test_objectives_the_simulator_does_not_predict_are_the_hardwares():
+    policy = DecisionPolicy.from_config(DecisionConfig(), looks=1, objectives=("heldout_loss",))
+    e = dm.estimate_evidence("a", "b", "heldout_loss", hw_candidate=(6.0, 0.02), hw_reference=(7.0, 0.02))
+    c = combine(e, policy, 0.05)
+    assert c.source == dm.SOURCE_HW_ONLY and c.tau == 0.0 and c.difference == pytest.approx(1.0)  # lower loss wins
+    assert c.verdict == "better"
+
+
+# --------------------------------------------------------------------------- tau is fixed in advance
+def test_tau_is_never_fitted_from_the_judged_runs():
+    """Two validations with very different hardware (and one where the hardware contradicts the
+    simulator) get the same τ: it comes from the fixed table, and no parameter can set it."""
+    def evidence(hw_shift: float, hw_se: float, r: int) -> list[Evidence]:
+        return [pair_evidence("a", "b", o, sim_candidate=[1.1, 1.0, 1.05], sim_reference=[1.0, 0.95, 1.0],
+                              hw_candidate=[1.0 + hw_shift + 0.01 * k for k in range(r)],
+                              hw_reference=[1.0 + 0.02 * k for k in range(r)], model_block_sd=hw_se, scale=1.0)
+                for o in OBJ]
+    taus = []
+    for shift, se, rounds in ((0.0, 0.01, 1), (0.5, 0.3, 6), (-2.0, 0.001, 3)):
+        d = decide(evidence(shift, se, rounds), {"a": 1.0, "b": 1.0}, POLICY)
+        taus.append({c.objective: c.tau for c in d.comparisons})
+        assert {o: m.tau for o, m in d.model_error.items()} == {o: MODEL_ERROR[o].tau for o in OBJ}
+    assert taus[0] == taus[1] == taus[2]
+    assert taus[0]["mix_efficiency"] == MODEL_ERROR["mix_efficiency"].tau
+    for fn in (decide, combine, pair_evidence, decide_from_json):
+        assert not any("tau" in p or "model_error" in p for p in inspect.signature(fn).parameters), fn
+
+
+def test_tau_is_the_rms_of_the_fidelity_benchmarks_error_differences():
+    """The provenance holds: recomputed from benchmarks/RESULTS.md's fidelity table (held-out configs)."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    table = text[text.index("| profile | config | metric | predicted | measured | error |"):]
+    errors: dict[tuple[str, str], list[float]] = {}
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        prof, _, metric, _, _, err = [c.strip() for c in line.strip("|").split("|")][:6]
+        if metric in OBJ:
+            v = float(re.match(r"[-+]?[\d.]+", err).group())
+            errors.setdefault((prof, metric), []).append(v / 100 if err.endswith("%") else v)
+    for o in OBJ:
+        diffs = [a - b for (p, m), (a, b) in errors.items() if m == o]
+        assert len(diffs) == 2
+        assert MODEL_ERROR[o].tau == pytest.approx(math.sqrt(sum(x * x for x in diffs) / len(diffs)), abs=1e-4)
+        assert sorted(abs(x) for x in MODEL_ERROR[o].pair_errors) == pytest.approx(sorted(abs(x) for x in diffs))
+
+
+# --------------------------------------------------------------------------- the level is split
+@pytest.mark.parametrize(("looks", "k", "objectives"), [(1, 2, 1), (1, 3, 2), (4, 3, 2), (2, 5, 2)])
+def test_the_level_is_split_over_looks_comparisons_and_objectives(looks, k, objectives):
+    objs = OBJ[:objectives]
+    policy = DecisionPolicy.from_config(DecisionConfig(), looks=looks, objectives=objs)
+    names = [f"c{i}" for i in range(k)]
+    ev = [hw_only(a, b, o, 0.0, 0.01) for a, b in combinations(names, 2) for o in objs]
+    d = decide(ev, {n: 1.0 for n in names}, policy)
+    alpha = 0.05 / (looks * k * (k - 1) // 2 * objectives)
+    assert d.n_comparisons == k * (k - 1) // 2
+    assert d.per_interval_level == pytest.approx(1 - alpha)
+    half = stats.norm.ppf(1 - alpha / 2) * 0.01
+    assert all(c.interval[1] - c.difference == pytest.approx(half) for c in d.comparisons)
+    assert split_alpha(0.95, looks, k * (k - 1) // 2, objectives) == pytest.approx(alpha)
+
+
+# --------------------------------------------------------------------------- hardware's spread
+def test_paired_rounds_give_a_t_interval_and_few_rounds_the_simulators_spread():
+    d, se, df, src, n = round_difference([1.0, 1.2, 0.9, 1.1, 1.0, 1.3], [0.9, 1.0, 1.0, 1.0, 0.8, 1.1])
+    diffs = [0.1, 0.2, -0.1, 0.1, 0.2, 0.2]
+    assert (df, src, n) == (5.0, dm.HW_SE_BLOCKS, 6)
+    assert d == pytest.approx(sum(diffs) / 6) and se == pytest.approx(stats.tstd(diffs) / math.sqrt(6))
+    d, se, df, src, n = round_difference([1.0, 1.2], [0.9, 1.0], model_block_sd=0.3)
+    assert (se, df, src, n) == (pytest.approx(0.3 / math.sqrt(2)), math.inf, dm.HW_SE_MODEL, 2)
+    assert round_difference([1.0], [0.9])[1] == math.inf  # neither: the hardware cannot speak yet
+
+
+# --------------------------------------------------------------------------- JSON and sentences
+def three_configs() -> list[Evidence]:
+    sims = {"tuned-1": (266.0, 0.99), "baseline": (245.0, 0.92), "handpicked": (246.0, 0.99)}
+    hws = {"tuned-1": (270.0, 1.01), "baseline": (240.0, 0.90), "handpicked": (250.0, 0.97)}
+    out = []
+    for a, b in combinations(sims, 2):
+        for j, o in enumerate(OBJ):
+            out.append(pair_evidence(a, b, o, sim_candidate=[sims[a][j] * (1 + 0.001 * s) for s in range(4)],
+                                     sim_reference=[sims[b][j] * (1 - 0.001 * s) for s in range(4)],
+                                     hw_candidate=[hws[a][j]], hw_reference=[hws[b][j]],
+                                     model_block_sd=(16.0, 0.06)[j]))
+    return out
+
+
+PEAK = {"tuned-1": 482 * 2**20, "baseline": 101 * 2**20, "handpicked": 204 * 2**20}
+
+
+def test_the_decision_rebuilds_from_its_json():
+    d = decide(three_configs(), PEAK, POLICY)
+    payload = json.loads(json.dumps(d.as_json(), allow_nan=False))
+    assert decide_from_json(payload).as_json() == d.as_json()
+    assert payload["inputs"]["policy"]["margins"]["mix_efficiency"] == DecisionConfig().margin_mix_efficiency
+    assert {c["objective"] for c in payload["comparisons"]} == set(OBJ)
+    assert all("gap_z" in c and "tau" in c and "power" in c for c in payload["comparisons"])
+
+
+def test_the_answer_is_two_sentences_that_name_the_choice_its_cost_its_source_and_the_pathology():
+    d = decide(three_configs(), PEAK, POLICY)
+    path = Pathology(BucketUse(64, 400, 0.62, "<=512"), BucketUse(9, 400, 0.44, "<=512"))
+    first, second = answer_sentences(d, path, {"handpicked": "min-ready 30, max-depth 90"})
+    assert d.chosen in first and "MiB" in first and first.endswith(".")
+    assert d.outcome != "undecided" or "paired rounds" in first or d.rounds_needed is None
+    assert "tau" in second and "0.0112" in second and "longest bucket streak 64" in second and "62%" in second
+    assert d.source.split(" (")[0] in second
+    assert answer_sentences(d, None)[1].endswith("was not measured.")
+
+
+def test_an_undecided_answer_says_what_it_would_take():
+    """The demo's shape: tuned-1 predicted 8% faster than handpicked, one round of hardware."""
+    d = decide(three_configs(), PEAK, POLICY)
+    assert d.outcome == "undecided" and set(d.survivors) == {"tuned-1", "handpicked"}
+    assert d.chosen == "handpicked"  # the cheaper survivor: never a costlier one on unresolved evidence
+    assert d.rounds_needed is not None and d.rounds_needed > 1
+    assert f"about {d.rounds_needed} paired rounds" in answer_sentences(d, None)[0]
