@@ -108,17 +108,19 @@ def base_config() -> DflashConfig:
     return with_overrides(load_config(PROFILE), {f"timing.{k}": v for k, v in DEMO_TIMING.items()})
 
 
-def seed_blocks(cfg: DflashConfig, queue: Mapping[str, Any], seed: int, blocks: int, block_takes: int
-                ) -> tuple[list[tuple[float, float]], float]:
-    """One simulated run cut into validation's blocks: (throughput, mix_efficiency) per block after the first."""
+def seed_blocks(cfg: DflashConfig, queue: Mapping[str, Any], seed: int, blocks: int, block_takes: int,
+                sampler: Any = None) -> tuple[list[tuple[float, float]], float]:
+    """One simulated run cut into validation's blocks: (throughput, mix_efficiency) per block after the first.
+
+    ``sampler``: the seed's sampler, shared by the configurations (as the sweep's evaluator shares it)."""
     from dflash.core.mixmetrics import entropy, expected_window_entropy, window_counts
     from simulator.run import simulate
     from simulator.workload import make_sampler
 
     c = with_overrides(cfg, {**{f"queue.{k}": v for k, v in queue.items()}, "seed": seed})
-    sampler = make_sampler(c.workload, c.target.model, c.seed, c.drafter.block_size)
+    sampler = sampler or make_sampler(c.workload, c.target.model, c.seed, c.drafter.block_size)
     res = simulate(c, sampler, sim_seconds=1e9, max_steps=block_takes * (blocks + 1), keep_records=True)
-    p, window = sampler.item_mix(), c.metrics.window
+    p, window = res.item_mix, c.metrics.window
     expected = expected_window_entropy(p, window)
     tokens = {r["item_id"]: r["real_tokens"] for r in res.produce}
     takes = sorted(res.take, key=lambda r: r["t"])
@@ -136,13 +138,16 @@ def seed_blocks(cfg: DflashConfig, queue: Mapping[str, Any], seed: int, blocks: 
 
 def build_pools(blocks: int, block_takes: int, hw_seeds: Sequence[int] = HW_SEEDS,
                 pred_seeds: Sequence[int] = PRED_SEEDS) -> Pools:
+    from simulator.workload import make_sampler
+
     cfg = base_config()
-    hw, pred, peak = {}, {}, {}
-    for name, queue in CONFIGS.items():
-        runs = [seed_blocks(cfg, queue, s, blocks, block_takes) for s in hw_seeds]
-        hw[name] = np.array([r[0] for r in runs])
-        pred[name] = np.array([seed_blocks(cfg, queue, s, blocks, block_takes)[0] for s in pred_seeds])
-        peak[name] = max(r[1] for r in runs)
+    runs: dict[int, dict[str, tuple[list[tuple[float, float]], float]]] = {}
+    for s in (*hw_seeds, *pred_seeds):
+        sampler = make_sampler(cfg.workload, cfg.target.model, s, cfg.drafter.block_size)
+        runs[s] = {n: seed_blocks(cfg, q, s, blocks, block_takes, sampler) for n, q in CONFIGS.items()}
+    hw = {n: np.array([runs[s][n][0] for s in hw_seeds]) for n in CONFIGS}
+    pred = {n: np.array([runs[s][n][0] for s in pred_seeds]) for n in CONFIGS}
+    peak = {n: max(runs[s][n][1] for s in hw_seeds) for n in CONFIGS}
     return Pools(hw, pred, peak, block_takes, cfg.metrics.window)
 
 
