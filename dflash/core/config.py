@@ -434,7 +434,8 @@ class DecisionConfig:
     the others are in their objective's unit. ``level`` is the confidence of the whole decision (split
     over looks x comparisons x objectives); ``z_refute``: a gap between the simulated and measured
     differences larger than this many standard errors refutes the simulator for that comparison. The
-    defaults come from ``benchmarks/decision_oc.py`` (docs/ARCHITECTURE.md, "Decisions").
+    defaults come from ``benchmarks/decision_oc.py`` (docs/ARCHITECTURE.md,
+    "Decisions: the validated simulator plus the hardware").
     """
 
     margin_throughput: float = 0.10
