@@ -38,7 +38,8 @@ from tuning.validation.decision import (
     flip,
 )
 
-VERDICT_WORDS = {"better": "better", "worse": "worse", "equivalent": "equivalent within the margin",
+VERDICT_WORDS = {"better": "recommendation better", "worse": "recommendation worse",
+                 "equivalent": "equivalent within the margin",
                  "unresolved": "not resolved"}
 
 
@@ -173,18 +174,19 @@ def decision_table(data: Mapping[str, Any], d: Decision) -> Table:
     objectives = list(d.policy.objectives)
     for name in validated_names(data, d):
         vc = _config(data, name)
-        for o in objectives:
+        for k, o in enumerate(objectives):
             c = against_chosen(d, name, o) if name != d.chosen else None
-            label = name + (" (recommended)" if name == d.chosen else "")
-            row = {"config": label, "queue": queue_text(vc.get("queue")),
-                   "objective": LABELS.get(o, o), "predicted": _pm(vc.get("predicted"), None, o),
+            first = k == 0  # the configuration and its knobs once, on its first row
+            row = {"config": (name + (" (recommended)" if name == d.chosen else "")) if first else "",
+                   "queue": queue_text(vc.get("queue")) if first else "", "objective": LABELS.get(o, o),
+                   "predicted": _pm(vc.get("predicted"), None, o),
                    "measured": _pm(vc.get("measured"), vc.get("measured_se"), o)}
             if c is None:
-                row |= dict.fromkeys(DIFF_COLUMNS, "" if name == d.chosen else NA)
+                row |= dict.fromkeys(DIFF_COLUMNS, "—" if name == d.chosen else NA)
             else:
                 lo, hi = c.interval
-                row |= {"rec. − this: simulated": fmt_diff(c, c.sim), "measured diff.": fmt_diff(c, c.hw),
-                        "decided [interval]": f"{fmt_diff(c, c.difference)} [{fmt_diff(c, lo)}, {fmt_diff(c, hi)}]",
+                row |= {"Δ simulated": fmt_diff(c, c.sim), "Δ measured": fmt_diff(c, c.hw),
+                        "Δ decided [interval]": f"{fmt_diff(c, c.difference)} [{fmt_diff(c, lo)}, {fmt_diff(c, hi)}]",
                         "τ": fmt_size(c, c.tau) if c.sim is not None else NA,
                         "gap z": NA if c.gap_z is None else f"{c.gap_z:+.1f}" + (" refuted" if c.refuted else ""),
                         "margin": f"±{fmt_size(c, c.margin)}", "verdict": VERDICT_WORDS.get(c.verdict, c.verdict),
@@ -195,8 +197,8 @@ def decision_table(data: Mapping[str, Any], d: Decision) -> Table:
     caption = " ".join((
         "Every validated configuration. predicted: the calibrated simulator (± standard error over its seeds,",
         "seeds disjoint from the sweep's); measured: the real trainer (± standard error).",
-        f"'rec. − this': the recommendation ({d.chosen}) minus this configuration, positive = the recommendation",
-        "better (throughput in percent of the pair's reference level). decided: the simulator's and the hardware's",
+        f"Δ: the recommendation ({d.chosen}) minus this configuration, positive = the recommendation better",
+        "(throughput in percent of the pair's reference level). Δ decided: the simulator's and the hardware's",
         "differences combined by precision (the simulator's variance includes τ², its error on a difference, fixed",
         f"in advance from benchmarks/fidelity.py), with its {level} interval (the 95% level split over the looks,",
         "comparisons and objectives). gap z: (simulated − measured) over its standard error; beyond",
@@ -206,5 +208,4 @@ def decision_table(data: Mapping[str, Any], d: Decision) -> Table:
     return Table(pd.DataFrame(rows), caption)
 
 
-DIFF_COLUMNS = ("rec. − this: simulated", "measured diff.", "decided [interval]", "τ", "gap z", "margin", "verdict",
-                "power")
+DIFF_COLUMNS = ("Δ simulated", "Δ measured", "Δ decided [interval]", "τ", "gap z", "margin", "verdict", "power")

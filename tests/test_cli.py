@@ -296,6 +296,14 @@ def test_demo_runs_the_whole_story_on_the_cpu_profile(tmp_path, capsys):
     assert sorted(r["name"] for r in payload["configs"]) == ["baseline", "handpicked", "tuned-1"]
     assert (out / "report" / "report.html").is_file() and (out / "report" / "report.md").is_file()
     assert f"dflash train --config {out / 'validation' / 'best.toml'}" in said
+    # issue #32: the last two lines answer the question, in the words of the report's first section
+    from reports.answer import answer_of
+
+    first, second = answer_of(payload)
+    assert said.rstrip().splitlines()[-2:] == [first, second]
+    md = (out / "report" / "report.md").read_text()
+    assert md[md.index("## Recommendation"):].split("\n\n")[1:3] == [f"**{first}**", second]
+    assert "stages (wall, CPU of this process and its finished children): lengths " in said
 
 
 def test_version_and_help(capsys):

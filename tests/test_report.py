@@ -208,8 +208,12 @@ def test_the_first_section_answers_in_the_decisions_two_sentences_and_lists_ever
     assert body[1] == f"**{first}**" and body[2] == second  # first thing under the heading
     assert d.chosen in first and ("decided", "equivalent", "undecided").count(d.outcome) == 1
     rows = parse_md_table(rec[rec.index("| config | queue | objective"):])
-    assert {r["config"].removesuffix(" (recommended)") for r in rows} == {c["name"] for c in val["configs"]}
-    assert [r["config"] for r in rows][:2] == [f"{d.chosen} (recommended)"] * 2
+    named = [r["config"] for r in rows]
+    for i, r in enumerate(rows):  # a configuration is named on its first row (one row per objective)
+        r["config"] = (r["config"] or rows[i - 1]["config"]).removesuffix(" (recommended)")
+    assert named[0] == f"{d.chosen} (recommended)" and rows[1]["config"] == d.chosen
+    assert {r["config"] for r in rows} == {c["name"] for c in val["configs"]} and len(rows) == 2 * len(val["configs"])
+    assert all(r["Δ decided [interval]"] == "—" for r in rows[:2])
     for c in d.comparisons:
         if d.chosen not in (c.candidate, c.reference):
             continue
@@ -219,7 +223,7 @@ def test_the_first_section_answers_in_the_decisions_two_sentences_and_lists_ever
             "throughput_tokens_per_s", "throughput"))
         if c.objective == "mix_efficiency":
             lo, hi = sorted((sign * c.interval[0], sign * c.interval[1]))
-            assert row["decided [interval]"] == f"{sign * c.difference:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            assert row["Δ decided [interval]"] == f"{sign * c.difference:+.3f} [{lo:+.3f}, {hi:+.3f}]"
             assert row["margin"] == f"±{c.margin:.3f}" and row["τ"] == f"{c.tau:.3f}"
         assert row["gap z"].split()[0] == f"{sign * c.gap_z:+.1f}"
         assert row["power"] == ("n/a" if c.power is None else f"{c.power:.0%}")
@@ -326,7 +330,7 @@ def test_html_is_self_contained(demo: dict) -> None:
 @pytest.mark.skipif(not CHROMIUM.exists() or not CHROMEDRIVER.exists(),
                     reason="Debian's chromium and chromium-driver are not installed (/usr/bin/chromium, "
                            "/usr/bin/chromedriver; scripts/install_chromium.sh installs them)")
-def test_report_renders_in_headless_chromium_with_no_errors(demo: dict, tmp_path: Path) -> None:
+def test_report_renders_in_headless_chromium_with_no_errors(demo: dict, decided: dict, tmp_path: Path) -> None:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -362,6 +366,15 @@ def test_report_renders_in_headless_chromium_with_no_errors(demo: dict, tmp_path
             assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
             view = driver.execute_script("return window.innerWidth")
             assert all(right <= view + 1 for _, _, right, _ in boxes), (width, boxes)
+        # A decided validation (issue #32): at 1280 px the answer is the first thing under the heading, the
+        # decision table shows every validated configuration without the page scrolling sideways.
+        driver.set_window_size(1280, 1000)
+        driver.get((decided["out"] / "report.html").resolve().as_uri())
+        first = driver.find_element("css selector", "#recommendation p").text
+        assert first.startswith(("Use ", "Undecided")) and decided["decision"].chosen in first
+        table = driver.find_element("css selector", "#recommendation table").text
+        assert all(c["name"] in table for c in decided["validation"]["configs"])
+        assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
     finally:
         driver.quit()
 
