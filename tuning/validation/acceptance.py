@@ -8,19 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from dflash.core.config import DflashConfig
-from dflash.core.records import read_records
 
 
 def final_tau(cfg: DflashConfig, run_dir: Path, target: Any, prompts: int) -> dict[str, Any]:
     """tau of the configuration's drafter after its last block, on prompts it never trained on."""
+    from dflash.data.trained import trained_conversation_ids
     from dflash.model.drafter import DFlashDrafter
-    from dflash.pipeline.training_data import TrainingData
 
     drafter = DFlashDrafter.load(run_dir / "drafter", target.model)
-    data = TrainingData(cfg, target.tokenizer)
-    taken = [i for r in read_records(run_dir, "take") for i in r["item_ids"]]
-    trained = {data.conversations[k].id for k in data.sampler.sequences_of(taken)}
-    return _tau(target, drafter, trained, cfg, prompts)
+    return _tau(target, drafter, trained_conversation_ids(run_dir, cfg), cfg, prompts)
 
 
 def _tau(target: Any, drafter: Any, trained: set[str], cfg: DflashConfig, n: int) -> dict[str, Any]:
