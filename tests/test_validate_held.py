@@ -18,6 +18,7 @@ import pytest
 from dflash.core.config import load_config
 from dflash.core.records import read_records
 from tests.test_resume_and_control import run_inputs, write_cfg  # noqa: F401 - the fixture
+from tuning.validation.metrics import bucket_use
 from tuning.validation.plan import ValidateArgs, block_steps
 from tuning.validation.runner import release, run_block
 
@@ -58,6 +59,10 @@ def test_each_configuration_trains_all_its_blocks_in_one_job_of_two_processes(he
         assert max(Counter(r["item_id"] for r in produce).values()) == 1
         assert [r["step"] for r in read_records(run, "step")] == list(range(24))
         assert json.loads((run / "held.json").read_text())["ended"] and (run / "metrics.json").is_file()
+        use = bucket_use(run, held["base"])  # the one-bucket pathology, from the takes
+        buckets = [t["bucket"] for t in sorted(takes, key=lambda t: t["t"])]
+        assert use["streak_takes"] == use["takes"] == 24 and 1 <= use["longest_streak"] <= 24
+        assert use["top_share"] == max(Counter(buckets).values()) / 24
 
 
 def test_a_held_block_starts_with_the_queue_it_left_and_is_measured_from_its_own_start(held) -> None:
@@ -74,6 +79,7 @@ def test_a_held_block_starts_with_the_queue_it_left_and_is_measured_from_its_own
             assert first["depth_before"] >= entry["queue"]["min_ready"]  # no refill: the queue was kept
             assert rows[block]["t_start"] >= last_before  # the block's span is its own
             assert rows[block]["throughput_tokens_per_s"] > 0 and rows[block]["takes"] == 8
+            assert rows[block]["mix_window"] == base.metrics.window  # the configured window, never the block's
 
 
 def test_a_held_job_computes_nothing_while_another_configuration_trains(held) -> None:

@@ -24,38 +24,56 @@ COMPARED = ("throughput_tokens_per_s", "samples_per_s", "mix_efficiency", "mix_e
 GOALS = "throughput within 5%; mix_efficiency within max(0.03, 2 SE of the measurement); loss_roughness within 20%"
 
 
-def block_metrics(run_dir: Path, cfg: DflashConfig, t0: float) -> dict[str, Any]:
-    """docs/ARCHITECTURE.md's metrics on the block's own records (after ``t0``, the previous block's last take).
-
-    The depth series starts with the items queued at ``t0``. A held job kept them: the steady state
-    goes on and the block is measured from ``t0``. A resumed run replays them and its refill is
-    excluded: the measurement begins when the queue holds ``min_ready`` items again. ``mix_efficiency`` needs
-    windows; a block with fewer than two windows of items is measured with a window of half its
-    items (``mix_window`` says which).
-    """
-    from dflash.core.runmetrics import RunTrace, run_metrics
+def block_metrics(run_dir: Path, cfg: DflashConfig, first_step: int, upto_step: int | None = None) -> dict[str, Any]:
+    """docs/ARCHITECTURE.md's metrics on one block of a run directory's records (steps ``first_step``
+    to ``upto_step``, exclusive): :func:`records_block_metrics` on the records a real run wrote."""
+    from dflash.core.sampler import heldout_per_bucket
     from simulator.workload import make_sampler
 
-    all_takes = list(read_records(run_dir, "take"))
-    taken_before = {i for r in all_takes if float(r["t"]) <= t0 for i in r["item_ids"]}
+    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size,
+                           heldout_per_bucket=heldout_per_bucket(cfg))
+    return records_block_metrics(list(read_records(run_dir, "produce")), list(read_records(run_dir, "take")), cfg,
+                                 p=sampler.item_mix(), n_buckets=sampler.n_buckets, first_step=first_step,
+                                 upto_step=upto_step)
+
+
+def records_block_metrics(produce: list[dict[str, Any]], takes: list[dict[str, Any]], cfg: DflashConfig, *,
+                          p: list[float], n_buckets: int, first_step: int, upto_step: int | None = None
+                          ) -> dict[str, Any]:
+    """The metrics of one block (the takes of steps ``first_step`` .. ``upto_step - 1``) from produce and
+    take records: the one computation for a hardware block and a simulated block (like with like).
+
+    The window is the configured ``[metrics] window`` whatever the block's length: the window defines
+    the metric and a block is only the unit of replication (a block holding fewer than one window of
+    items has no ``mix_efficiency``). The block starts at ``t0``, the previous block's last take. The
+    depth series starts with the items queued at ``t0``: a held job (and the simulator, which never
+    stops) kept them, so the steady state goes on and the block is measured from ``t0``; a resumed
+    run replays them and its refill is excluded (the measurement begins when the queue holds
+    ``min_ready`` items again). Items put after the block's close are not the block's.
+    """
+    from dflash.core.runmetrics import RunTrace, run_metrics
+
+    def in_block(r: dict[str, Any]) -> bool:
+        return int(r["step"]) >= first_step and (upto_step is None or int(r["step"]) < upto_step)
+
+    t0 = max((float(r["t"]) for r in takes if int(r["step"]) < first_step), default=-math.inf)
+    block = sorted((r for r in takes if in_block(r)), key=lambda r: float(r["t"]))
+    close_t = max((float(r["t"]) + float(r.get("compute_s") or 0.0) for r in block), default=0.0)
+    taken_before = {i for r in takes if float(r["t"]) <= t0 for i in r["item_ids"]}
     latest: dict[str, dict[str, Any]] = {}  # an item replayed at a resume: its last produce record
-    for r in read_records(run_dir, "produce"):
-        if r["item_id"] not in taken_before:
+    for r in sorted(produce, key=lambda r: float(r["t"])):
+        if r["item_id"] not in taken_before and float(r["t_end"]) <= close_t:
             latest[r["item_id"]] = r
-    produce = sorted(latest.values(), key=lambda r: float(r["t"]))
-    takes = sorted((r for r in all_takes if float(r["t"]) > t0), key=lambda r: r["t"])
-    sampler = make_sampler(cfg.workload, cfg.target.model, cfg.seed, cfg.drafter.block_size)
-    close_t = max((float(r["t"]) + float(r.get("compute_s") or 0.0) for r in takes), default=0.0)
-    window = max(2, min(cfg.metrics.window, sum(len(r["item_ids"]) for r in takes) // 2))
+    kept_items = sorted(latest.values(), key=lambda r: float(r["t"]))
+    window = cfg.metrics.window
     # Items queued at t0 were kept (a held job): the steady state goes on from t0, whatever the gate
     # did since (with hysteresis the depth may stay under min_ready); after a resume nothing was kept.
-    kept = any(float(r["t_end"]) + float(r.get("blocked_s") or 0.0) <= t0 for r in produce)
-    m = run_metrics(RunTrace.from_records(produce, takes), p=sampler.item_mix(),
-                    min_ready=1 if kept else cfg.queue.min_ready,
+    kept = any(float(r["t_end"]) + float(r.get("blocked_s") or 0.0) <= t0 for r in kept_items)
+    m = run_metrics(RunTrace.from_records(kept_items, block), p=p, min_ready=1 if kept else cfg.queue.min_ready,
                     window=window, warmup_s=max(0.0, t0), close_t=close_t, n_target=cfg.cluster.n_target,
-                    n_drafter=cfg.cluster.n_drafter, n_buckets=sampler.n_buckets)
+                    n_drafter=cfg.cluster.n_drafter, n_buckets=n_buckets)
     out = {k: m.get(k) for k in COMPARED if k != "loss_roughness"}
-    return {**out, "mix_window": window, "takes": len(takes), "t_start": m.get("steady_state_start_s"),
+    return {**out, "mix_window": window, "takes": len(block), "t_start": m.get("steady_state_start_s"),
             "t_end": m.get("steady_state_end_s")}
 
 
@@ -109,3 +127,33 @@ def block_means(blocks: list[dict[str, Any]], metrics: dict[str, Any]) -> tuple[
     measured["loss_roughness"] = metrics.get("loss_roughness")
     se["loss_roughness"] = None
     return measured, se
+
+
+TRANSIENT_RULE = ("the first block (process start, model load, the queue's first fill) is dropped from the "
+                  "measurement and the prediction alike when a configuration has two blocks or more; a single "
+                  "block is kept in both (its transient is then in both)")
+
+
+def kept_blocks(n: int) -> list[int]:
+    """The blocks that count, of ``n`` measured (:data:`TRANSIENT_RULE`); the same for the prediction."""
+    return list(range(1, n)) if n >= 2 else list(range(n))
+
+
+def bucket_use(run_dir: Path, cfg: DflashConfig) -> dict[str, Any] | None:
+    """The one-bucket pathology in a run's takes: the longest run of consecutive takes from one bucket
+    (:func:`dflash.core.mixmetrics.max_bucket_streak`, the metric ``max_bucket_streak``) and the share of
+    takes from the most-taken bucket, named by its upper length bound; None without takes."""
+    from collections import Counter
+
+    from dflash.core.mixmetrics import max_bucket_streak
+
+    takes = sorted(read_records(run_dir, "take"), key=lambda r: float(r["t"]))
+    if not takes:
+        return None
+    buckets = [int(r["bucket"]) for r in takes]
+    streak, n = max_bucket_streak(buckets)
+    top, count = Counter(buckets).most_common(1)[0]
+    bounds = cfg.workload.bucket_bounds
+    name = f"<={bounds[top]}" if 0 <= top < len(bounds) else str(top)
+    return {"longest_streak": int(streak), "streak_takes": int(n), "top_share": count / len(buckets),
+            "top_bucket": name, "takes": len(buckets)}

@@ -29,6 +29,7 @@ class ValidateArgs:
     claims_url: str
     prompts: int
     block_takes: int = 10
+    block_reason: str = "given by the caller"  # why blocks are this long (validation.json's block_reason)
 
 
 def read_selection(path: str | Path) -> dict[str, Any]:
@@ -128,6 +129,36 @@ def unit_ready(unit: str, statuses: dict[str, str]) -> bool:
         return True
     prev = [s for u, s in statuses.items() if split_unit(u)[1] == k - 1]
     return statuses.get(unit_name(name, k - 1)) == "done" and all(s in ("done", "failed", "skipped") for s in prev)
+
+
+def block_rule(cfg: DflashConfig, takes: int, requested: int | None = None) -> tuple[int, str]:
+    """(takes per block, the reason): the default block is the smallest whole number of the data
+    order's phases that holds one window of the configured ``[metrics] window`` W.
+
+    Why: a block is the unit of replication, so consecutive blocks must be alike. The
+    ``length_grouped`` order cuts the epoch into mega-batches of ``mega_batch`` items, each sorted
+    longest first: inside one the lengths sweep from long to short (a sawtooth), so a block shorter
+    than a mega-batch sees a different part of the sweep each time and swings with it. A block of
+    whole mega-batches sees whole sweeps. It must also hold a window, since the window defines
+    ``mix_efficiency`` (a block is measured with W whatever its length). ``random`` has no phase
+    longer than an item and ``sorted`` one as long as the epoch (no block can hold it): there the
+    window is the phase. ``requested`` (``--block-takes``) is used as given, the rule's figure said."""
+    w, per_take = cfg.metrics.window, cfg.queue.items_per_take
+    order, mega = cfg.workload.order, cfg.workload.mega_batch
+    phase = mega if order == "length_grouped" else w
+    items = phase * math.ceil(w / phase)
+    rule = math.ceil(items / per_take)
+    why = (f"{items // phase} mega-batch(es) of {mega} items (the length_grouped order's phase) holding at least "
+           f"one window of W = {w} items" if order == "length_grouped" else
+           f"one window of W = {w} items (the {order} order has no phase a block can hold)")
+    if per_take > 1:
+        why += f", at {per_take} items per take"
+    if requested is not None:
+        return requested, f"given (--block-takes {requested}); the rule would give {rule} takes: {why}"
+    if rule > takes:
+        return takes, (f"the whole budget of {takes} takes: shorter than the rule's {rule} takes ({why}), so every "
+                       f"block is the one block and its transient is in the prediction as in the measurement")
+    return rule, f"{rule} takes: {why}"
 
 
 def block_steps(cfg: DflashConfig, args: ValidateArgs, block: int) -> tuple[int, int]:

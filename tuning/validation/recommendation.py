@@ -66,3 +66,65 @@ def stop_reason(rows: list[dict[str, Any]], comps: list[Comparison]) -> str:
     if any(r["status"] == "failed" for r in rows):
         return "failed"
     return "resolved" if comps and all_resolved(comps) else "budget"
+
+
+def round_values(rows: list[dict[str, Any]], kept: list[int], objective: str) -> dict[int, float]:
+    """One configuration's kept blocks' values of ``objective``, by block (round) index."""
+    out = {}
+    for r in rows:
+        v = r.get(objective)
+        if r["block"] in kept and v is not None and math.isfinite(float(v)):
+            out[int(r["block"])] = float(v)
+    return out
+
+
+def decision_objectives(rounds: dict[str, dict[str, dict[int, float]]], held: HeldoutEstimates) -> tuple[str, ...]:
+    """The block objectives every configuration has kept-block values of, then the held-out objectives
+    every configuration has an estimate of."""
+    from tuning.validation.evidence import heldout_objectives
+
+    block = tuple(o for o in OBJECTIVES if rounds and all(r.get(o) for r in rounds.values()))
+    held_all = {n: held[n] for n in rounds if n in held}
+    return block + (heldout_objectives(held_all) if len(held_all) == len(rounds) else ())
+
+
+def decide_validation(decision_cfg: Any, looks: int, configs: list[dict[str, Any]],
+                      rows: dict[str, list[dict[str, Any]]], held: HeldoutEstimates,
+                      peak_bytes: dict[str, float]) -> Any:
+    """The decision (:func:`tuning.validation.decision.decide`) over every validated configuration:
+    every pair, every objective. Block objectives pair the configurations round by round (the same
+    block index: the same data order) on the kept blocks, with the simulator's per-seed kept-block
+    means (the same prediction seeds for every configuration: paired by seed) and its block-to-block
+    standard deviation of a round's difference (:func:`tuning.validation.predict.paired_block_sd`).
+    Held-out objectives are the hardware's alone. None when nothing can be compared."""
+    from itertools import combinations
+
+    from tuning.validation.decision import DecisionPolicy, decide, estimate_evidence, pair_evidence
+    from tuning.validation.predict import paired_block_sd
+
+    by = {c["name"]: c for c in configs}
+    rounds = {n: {o: round_values(rows[n], list(by[n].get("kept_blocks") or []), o) for o in OBJECTIVES}
+              for n in by}
+    objectives = decision_objectives(rounds, held)
+    if len(by) < 2 or not objectives:
+        return None
+    policy = DecisionPolicy.from_config(decision_cfg, looks=looks, objectives=objectives)
+    z95 = 1.959963984540054
+    evidence = []
+    for a, b in combinations(list(by), 2):
+        for o in objectives:
+            if o not in OBJECTIVES:
+                ea, eb = held[a][o], held[b][o]
+                se_a, se_b = ((e.ci95[1] - e.ci95[0]) / (2 * z95) for e in (ea, eb))
+                evidence.append(estimate_evidence(a, b, o, hw_candidate=(ea.value, se_a),
+                                                  hw_reference=(eb.value, se_b), n=min(ea.n, eb.n)))
+                continue
+            common = sorted(set(rounds[a][o]) & set(rounds[b][o]))
+            pa, pb = by[a]["predicted"].get(o) or {}, by[b]["predicted"].get(o) or {}
+            sa, sb = pa.get("per_seed"), pb.get("per_seed")
+            sim = sa is not None and sb is not None and len(sa) == len(sb)
+            evidence.append(pair_evidence(a, b, o, sim_candidate=sa if sim else None, sim_reference=sb if sim else None,
+                                          hw_candidate=[rounds[a][o][k] for k in common],
+                                          hw_reference=[rounds[b][o][k] for k in common],
+                                          model_block_sd=paired_block_sd(by[a]["predicted"], by[b]["predicted"], o)))
+    return decide(evidence, {n: peak_bytes.get(n, math.inf) for n in by}, policy)

@@ -7,7 +7,6 @@ its checkpoint. This is the one module of :mod:`tuning.validation` that starts t
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.core.config import DflashConfig, with_overrides
-from dflash.core.records import clean_json, read_records
+from dflash.core.records import clean_json
 from tuning.validation.metrics import block_metrics
 from tuning.validation.plan import ValidateArgs, block_steps, queue_overrides
 
@@ -49,8 +48,7 @@ def run_block(entry: dict[str, Any], block: int, base: DflashConfig, args: Valid
     # The block starts after the previous block's last step. Read after the resume: a dead worker's
     # half of this block past the checkpoint was dropped from the records and trained again.
     before = block_steps(base, args, block - 1)[0] if block else 0
-    t0 = max((float(r["t"]) for r in read_records(run_dir, "take") if int(r["step"]) < before), default=-math.inf)
-    measured = block_metrics(run_dir, run_cfg, t0)
+    measured = block_metrics(run_dir, run_cfg, before, upto)
     return clean_json({"name": name, "block": block, "steps": steps, "held": held, "wall_s": wall_s, **measured})
 
 

@@ -8,6 +8,7 @@ recommendation (:mod:`tuning.validation.recommendation`).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +17,20 @@ from dflash.core.config import DflashConfig, config_to_toml, with_overrides
 from dflash.core.records import clean_json
 from tuning.validation.acceptance import final_tau
 from tuning.validation.evidence import measured_objectives
-from tuning.validation.metrics import COMPARED, GOALS, block_means, block_table, rel_errors, within_goals
-from tuning.validation.plan import ValidateArgs, max_looks, queue_overrides
-from tuning.validation.predict import predict
-from tuning.validation.recommendation import evidence_of, stop_reason
+from tuning.validation.metrics import (
+    COMPARED,
+    GOALS,
+    TRANSIENT_RULE,
+    block_means,
+    block_table,
+    bucket_use,
+    kept_blocks,
+    rel_errors,
+    within_goals,
+)
+from tuning.validation.plan import ValidateArgs, block_steps, max_looks, queue_overrides
+from tuning.validation.predict import predict, prediction_seeds
+from tuning.validation.recommendation import decide_validation, evidence_of, stop_reason
 from tuning.validation.runner import wait_for_held_ends
 
 
@@ -38,18 +49,22 @@ def config_row(entry: dict[str, Any], blocks: list[dict[str, Any]], base: Dflash
     steps = max(int(b.get("steps") or 0) for b in blocks)
     run_cfg = with_overrides(base, queue_overrides(entry["queue"]))
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    measured, se = block_means(blocks, metrics)
+    n = max(int(b["block"]) for b in blocks) + 1
+    kept = [k for k in kept_blocks(n) if any(int(b["block"]) == k for b in blocks)]
+    # The prediction's blocks are the hardware's: the same step ranges, the same kept blocks.
+    spans = [(block_steps(base, args, k - 1)[0] if k else 0, block_steps(base, args, k)[0]) for k in range(n)]
+    measured, se = block_means([b for b in blocks if int(b["block"]) in kept], metrics)
     tau = final_tau(run_cfg, run_dir, target, args.prompts)
     measured["tau"] = tau.get("tau")
     (run_dir / "eval.json").write_text(json.dumps(clean_json(tau), indent=1))
-    predicted = predict(entry, calibrated, steps, args.out / "sim" / name)
+    predicted = predict(entry, calibrated, steps, args.out / "sim" / name, blocks=spans, kept=kept)
     own, why = own_calibration(run_dir, base, args.out / "sim" / name / "own-calibration.json")
     drift: dict[str, Any] = {"why_missing": why}
     corrected = None
     if own is not None:
         drift = stage_drift(run_dir, calibrated.timing, timing_of(base, own["timing"]))
         corrected = predict(entry, with_overrides(calibrated, {f"timing.{k}": v for k, v in own["timing"].items()}),
-                            steps, args.out / "sim" / f"{name}-drift-corrected")
+                            steps, args.out / "sim" / f"{name}-drift-corrected", blocks=spans, kept=kept)
     tput = "throughput_tokens_per_s"
     pa, pc = predicted[tput]["mean"], (corrected or {}).get(tput, {}).get("mean")
     drift["summary"] = effect(pa, pc)
@@ -57,6 +72,7 @@ def config_row(entry: dict[str, Any], blocks: list[dict[str, Any]], base: Dflash
     return clean_json({
         "name": name, "trial": entry.get("trial"), "params": entry.get("params"), "queue": entry["queue"],
         "run_dir": f"runs/{name}", "sim_dir": f"sim/{name}", "steps": steps, "blocks": len(blocks),
+        "kept_blocks": kept, "bucket_use": bucket_use(run_dir, run_cfg),
         "ranks": {"n_target": run_cfg.cluster.n_target, "n_drafter": run_cfg.cluster.n_drafter},
         "measured": measured, "measured_se": se, "predicted": predicted, "predicted_drift_corrected": corrected,
         "rel_error": rel_errors(measured, predicted), "rel_error_drift_corrected": err_c,
@@ -83,29 +99,45 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
     blocks = block_table([r for r in done if r["name"] not in failed_names])
     entries = {c["name"]: c for c in args.selection["configs"]}
     wait_for_held_ends([args.out / "runs" / n for n in entries if n in blocks])
+    from tuning.evaluate import sweep_seeds
+    from tuning.validation.decision import answer_sentences
     from tuning.validation.quality import heldout_evidence
 
     held = heldout_evidence({n: args.out / "runs" / n for n in entries if n in blocks})
-    chosen, comps, rec = evidence_of(blocks, looks, args.block_takes, held.pop("estimates"))  # its note: printed once
+    estimates = held.pop("estimates")
+    chosen, comps, rec = evidence_of(blocks, looks, args.block_takes, estimates)  # its note: printed once
     target = load_target(base.target.model) if blocks else None
     configs = [config_row(entries[n], [r for r in done if r["name"] == n], base, calibrated, args, target)
                for n in entries if n in blocks]
-    best = entries.get(rec.name) if rec else None
+    peak = {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in blocks.items()}
+    decision = decide_validation(base.decision, looks, configs, {n: [r for r in done if r["name"] == n]
+                                                                 for n in blocks}, estimates, peak)
+    # The decision picks (simulator and hardware together); without one, the hardware's evidence alone.
+    pick = decision.chosen if decision is not None and decision.chosen else (rec.name if rec else None)
+    why = " ".join(answer_sentences(decision, None)) if decision is not None else (rec.words if rec else "")
+    best = entries.get(pick) if pick else None
     best_toml = args.out / "best.toml"
     command = None
     if best is not None:
         cfg = with_overrides(base, queue_overrides(best["queue"]))
         atomic_write_text(best_toml, f"# Recommended by dflash validate from {args.selection_path} ({best['name']}): "
-                                     f"{rec.words}\n# Launch: dflash train --config {best_toml}\n"
+                                     f"{one_line(why)}\n# Launch: dflash train --config {best_toml}\n"
                                      + config_to_toml(cfg))
         command = f"dflash train --config {best_toml}"
     payload = clean_json({
-        "takes": args.takes, "block_takes": args.block_takes, "max_looks": looks,
+        "takes": args.takes, "block_takes": args.block_takes, "block_reason": args.block_reason,
+        "window": base.metrics.window, "transient": TRANSIENT_RULE, "max_looks": looks,
+        "prediction_seeds": list(prediction_seeds(calibrated)), "sweep_seeds": list(sweep_seeds(calibrated)),
+        "data_order": {"seed": base.seed, "order": base.workload.order, "mega_batch": base.workload.mega_batch,
+                       "why": "every configuration's run samples with the same seed, so block k of each sees the "
+                              "same part of the data order (paired rounds)"},
+        "decision": None if decision is None else decision.as_json(),
+        "pathology": {r["name"]: r["bucket_use"] for r in configs if r.get("bucket_use")},
         "rounds": max((r["block"] + 1 for r in done), default=0),
         "stopped": stop_reason(rows, comps),
         "objectives": list(rec.objectives) if rec else list(measured_objectives(blocks)), "heldout": held,
         "calibration": args.calibration, "selection": args.selection_path,
-        "base_config": base.to_dict(), "chosen": rec.name if rec else None, "tested": chosen,
+        "base_config": base.to_dict(), "chosen": pick, "tested": chosen,
         "comparisons": [c.as_json() for c in comps],
         "recommendation": None if rec is None else rec.as_json(),  # its takes_to_resolve is the printed one
         "best_toml": "best.toml" if best else None, "command": command,
@@ -157,8 +189,34 @@ def format_validation(payload: dict[str, Any]) -> str:
                      f"{pct(r.get('throughput_error_drift_corrected'))}")
     rec = payload.get("recommendation")
     if rec:
-        lines.append(f"recommended: {rec['words']}\nlaunch the full run with:\n  {payload['command']}")
+        lines.append(f"hardware alone (note): recommended: {rec['words']}")
+    lines += decision_lines(payload)
+    if payload.get("command"):
+        lines.append(f"launch the full run with:\n  {payload['command']}")
     return "\n".join(lines)
+
+
+def decision_lines(payload: dict[str, Any]) -> list[str]:
+    """How the decision was reached, for the CLI: the blocks and their reason, the outcome with its note,
+    and per comparison of the pick the power the hardware alone had at the simulator's predicted
+    difference (the answer's two sentences come last, from :mod:`reports.answer`)."""
+    d = payload.get("decision")
+    if not d:
+        return []
+    lines = [f"blocks: {payload.get('block_takes')} takes ({payload.get('block_reason')}); window W = "
+             f"{payload.get('window')} items in blocks and predictions alike; {payload.get('transient')}",
+             f"decision: {d.get('outcome')} ({d.get('note')})"]
+    for c in d.get("comparisons") or []:
+        if d.get("chosen") not in (c.get("candidate"), c.get("reference")) or c.get("power") is None:
+            continue
+        lines.append(f"  {c['candidate']} vs {c['reference']} on {c['objective']}: simulated {c.get('sim'):+.4g}, "
+                     f"measured {c.get('hw'):+.4g}, gap z {_z(c.get('gap_z'))}, verdict {c.get('verdict')}; power of "
+                     f"the hardware alone at the simulator's predicted difference {c['power']:.0%}")
+    return lines
+
+
+def _z(z: float | None) -> str:
+    return "n/a" if z is None else f"{z:+.1f}"
 
 
 def heldout_lines(held: dict[str, Any] | None) -> list[str]:
@@ -179,3 +237,7 @@ def heldout_lines(held: dict[str, Any] | None) -> list[str]:
 def progress_printer(msg: str) -> None:
     """Progress goes to stdout with the rest of the command's output (stderr carries only errors)."""
     print(msg, flush=True)
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
