@@ -192,6 +192,8 @@ def test_the_prediction_measures_the_hardwares_blocks_on_its_own_seeds(tmp_path:
     assert [len(v) for v in a["blocks"]["mix_efficiency"]] == [2, 2, 2] and len(m["per_seed"]) == 3
     assert m["mean"] == pytest.approx(sum(m["per_seed"]) / 3) and m["sd_block"] > 0
     assert paired_block_sd(a, b, "mix_efficiency") > 0 and paired_block_sd(a, {}, "mix_efficiency") is None
+    one, flat = {"blocks": {"m": [[0.9], [0.8], [1.0]]}}, {"blocks": {"m": [[0.7], [0.7], [0.7]]}}
+    assert paired_block_sd(one, flat, "m") == pytest.approx(0.1)  # one kept block per seed: spread over seeds
 
 
 @pytest.mark.parametrize("overrides, takes, requested, block", [

@@ -105,7 +105,9 @@ def _finite(v: Any) -> float | None:
 
 def _pooled_sd(vals: Sequence[Sequence[float | None]]) -> float | None:
     """The block-to-block standard deviation within a seed, pooled over seeds (each seed's own mean
-    removed: the spread a run's blocks show, not the spread between data orders)."""
+    removed: the spread a run's blocks show, not the spread between data orders). With one block per
+    seed there is no within-seed spread: the spread of that block over the seeds stands in (each seed
+    is another data order, as each hardware round sees another part of the order)."""
     ss, df = 0.0, 0
     for vs in vals:
         xs = [v for v in vs if v is not None]
@@ -113,7 +115,10 @@ def _pooled_sd(vals: Sequence[Sequence[float | None]]) -> float | None:
             m = sum(xs) / len(xs)
             ss += sum((x - m) ** 2 for x in xs)
             df += len(xs) - 1
-    return math.sqrt(ss / df) if df else None
+    if df:
+        return math.sqrt(ss / df)
+    flat = [v for vs in vals for v in vs if v is not None]
+    return float(np.std(flat, ddof=1)) if len(flat) > 1 else None
 
 
 def paired_block_sd(a: dict[str, Any], b: dict[str, Any], objective: str) -> float | None:

@@ -209,10 +209,14 @@ def decision_lines(payload: dict[str, Any]) -> list[str]:
     for c in d.get("comparisons") or []:
         if d.get("chosen") not in (c.get("candidate"), c.get("reference")) or c.get("power") is None:
             continue
-        lines.append(f"  {c['candidate']} vs {c['reference']} on {c['objective']}: simulated {c.get('sim'):+.4g}, "
-                     f"measured {c.get('hw'):+.4g}, gap z {_z(c.get('gap_z'))}, verdict {c.get('verdict')}; power of "
+        lines.append(f"  {c['candidate']} vs {c['reference']} on {c['objective']}: simulated {_g(c.get('sim'))}, "
+                     f"measured {_g(c.get('hw'))}, gap z {_z(c.get('gap_z'))}, verdict {c.get('verdict')}; power of "
                      f"the hardware alone at the simulator's predicted difference {c['power']:.0%}")
     return lines
+
+
+def _g(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.4g}"
 
 
 def _z(z: float | None) -> str:
