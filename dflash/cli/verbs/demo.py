@@ -116,21 +116,22 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     selection = demo_sweep(out, calibrated, str(cal_path))
     if selection is None:
         return 2
-    block_takes = min(takes, cfg.workload.mega_batch)
-    clock.stage(6, "validation", f"validate {', '.join(VALIDATED)} on the real trainer ({takes} takes each in "
-                f"paired rounds of {block_takes})")
     import json
 
     from tuning.validation.job import run_validation
-    from tuning.validation.plan import ValidateArgs, claims_url_for
+    from tuning.validation.plan import ValidateArgs, block_rule, claims_url_for
     from tuning.validation.summary import format_validation, progress_printer
+
+    block_takes, block_reason = block_rule(cfg, takes)  # validate's own rule: whole mega-batches holding a window
+    clock.stage(6, "validation", f"validate {', '.join(VALIDATED)} on the real trainer ({takes} takes each in "
+                f"paired rounds of {block_takes})")
 
     sel = json.loads(Path(selection).read_text())
     keep = [c for c in sel["configs"] if c["name"] in VALIDATED]
     val_out = out / "validation"
     vargs = ValidateArgs(selection={**sel, "configs": keep}, selection_path=str(selection), takes=takes,
                          out=val_out, calibration=str(cal_path), claims_url=claims_url_for(None, val_out),
-                         block_takes=block_takes, prompts=cfg.train.eval_prompts)
+                         block_takes=block_takes, block_reason=block_reason, prompts=cfg.train.eval_prompts)
     payload = run_validation(cfg, vargs, progress=progress_printer)
     if payload is not None:
         print(format_validation(payload))
