@@ -189,7 +189,8 @@ def format_validation(payload: dict[str, Any]) -> str:
                      f"{pct(r.get('throughput_error_drift_corrected'))}")
     rec = payload.get("recommendation")
     if rec:
-        lines.append(f"hardware alone (note): recommended: {rec['words']}")
+        lines.append(f"note, the hardware's block evidence alone (Welch intervals; the decision below decides):\n"
+                     f"recommended: {rec['words']}")
     lines += decision_lines(payload)
     if payload.get("command"):
         lines.append(f"launch the full run with:\n  {payload['command']}")
