@@ -261,4 +261,16 @@ def test_an_undecided_answer_says_what_it_would_take():
     assert d.outcome == "undecided" and set(d.survivors) == {"tuned-1", "handpicked"}
     assert d.chosen == "handpicked"  # the cheaper survivor: never a costlier one on unresolved evidence
     assert d.rounds_needed is not None and d.rounds_needed > 1
-    assert f"about {d.rounds_needed} paired rounds" in answer_sentences(d, None)[0]
+    first, second = answer_sentences(d, None)
+    assert f"about {d.rounds_needed} paired rounds" in first
+    assert "the simulator predicts tuned-1 +8" in first and "power at this budget" in first  # the power, stated
+    assert second.startswith("Not resolved at 95% overall")
+
+
+@pytest.mark.parametrize(("base_streak", "chosen_streak", "occurs"), [(64, 9, True), (9, 40, True), (31, 12, False)])
+def test_the_pathology_is_a_whole_window_from_one_bucket(base_streak, chosen_streak, occurs):
+    p = Pathology(BucketUse(base_streak, 400, 0.5, "<=512"), BucketUse(chosen_streak, 400, 0.3, "<=512"), window=32)
+    assert p.occurs() is occurs
+    d = decide(three_configs(), PEAK, POLICY)
+    assert ("pathology (drafters pulling from one bucket for a whole window of 32 takes) "
+            + ("occurs" if occurs else "does not occur")) in answer_sentences(d, p)[1]

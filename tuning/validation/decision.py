@@ -234,6 +234,11 @@ class Pathology:
     baseline: BucketUse
     chosen: BucketUse
     baseline_name: str = "baseline"
+    window: int = 32  # [metrics] window: a streak this long fills a whole window from one bucket
+
+    def occurs(self) -> bool:
+        """The pathology people tune these knobs for: a whole window of takes from one bucket."""
+        return max(self.baseline.longest_streak, self.chosen.longest_streak) >= self.window
 
 
 # --------------------------------------------------------------------------- outputs
@@ -403,7 +408,8 @@ def decide(evidence: Sequence[Evidence], peak_queue_bytes: Mapping[str, float], 
     note = _note(outcome, survivors, rounds, comps)
     return Decision(outcome, chosen, survivors, decided_by, source, headline, comps, policy,
                     dict(peak_queue_bytes), 1 - alpha, len(pairs), rounds, note,
-                    {o: MODEL_ERROR[o] for o in objectives if o in MODEL_ERROR})
+                    {o: MODEL_ERROR[o] for o in objectives
+                     if o in MODEL_ERROR and any(c.objective == o and c.sim is not None for c in comps)})
 
 
 def decide_from_json(payload: Mapping[str, Any]) -> Decision:
@@ -419,46 +425,64 @@ def answer_sentences(decision: Decision, pathology: Pathology | None,
                      describe: Mapping[str, str] | None = None) -> tuple[str, str]:
     """The two sentences that answer the user (the CLI's last lines, the report's first section).
 
-    First: which configuration, how much better on which objective, its queue memory cost. Second:
-    how sure and from what (simulator, hardware or both, with τ and the gap), and whether the
-    one-bucket pathology occurs (baseline against the recommendation). ``describe``: name -> knobs.
+    First: which configuration, how much better on which objective, its queue memory cost (undecided:
+    the cheapest configuration nobody beats, and the hardware's power at the simulator's predicted
+    difference that kept it open). Second: how sure and from what (simulator, hardware or both, with
+    τ and the gap), and whether the one-bucket pathology occurs (baseline against the choice).
+    ``describe``: name -> its knobs in words.
     """
     d, h = decision, decision.headline
     name = d.chosen or "none"
     knobs = f" ({describe[name]})" if describe and name in describe else ""
     mem = _mib(d.peak_queue_bytes.get(name))
-    if h is not None:
-        mem_ref = _mib(d.peak_queue_bytes.get(h.reference))
-        label = LABELS.get(h.objective, h.objective)
-        diff = f"{label} {_signed(h.difference, h)} [{_signed(h.interval[0], h)}, {_signed(h.interval[1], h)}]"
-    if d.outcome == "decided" and h is not None:
-        first = (f"Use {name}{knobs}: {diff} against {h.reference}, better beyond the margin on "
-                 f"{', '.join(LABELS.get(o, o) for o in d.decided_by)}; it holds {mem} of queue memory at peak "
-                 f"({h.reference}: {mem_ref}).")
+    diff = f"{_what(h)} against {h.reference}" if h is not None else ""
+    if d.outcome == "decided":
+        first = (f"Use {name}{knobs}: {diff}, resolved better on "
+                 f"{', '.join(LABELS.get(o, o) for o in d.decided_by)}; it holds {mem} of queue memory at peak"
+                 + (f" ({h.reference}: {_mib(d.peak_queue_bytes.get(h.reference))})." if h is not None else "."))
     elif d.outcome == "equivalent":
         first = (f"Use {name}{knobs}: {', '.join(d.survivors)} are equivalent within the margins on every objective "
                  f"({_margins(d)}), and {name} holds the least queue memory, {mem} at peak.")
     else:
-        first = (f"Undecided at this budget; {name}{knobs} is the cheapest configuration not beaten ({mem} of queue "
-                 f"memory at peak)" + (f", {diff} against {h.reference}" if h is not None else "") +
-                 (f"; about {d.rounds_needed} paired rounds would give {POWER_GOAL:.0%} power at the simulator's "
-                  f"predicted difference" if d.rounds_needed else "") + ".")
+        first = (f"Undecided at this budget: {name}{knobs} is the cheapest configuration no other beats ({mem} of "
+                 f"queue memory at peak)" + (f", {diff}" if diff else "") + _open_text(d) + ".")
+    level = f"{d.policy.level:.0%}"
+    split = (f"split over {d.policy.looks} look(s) x {d.n_comparisons} comparison(s) x {len(_objectives(d))} "
+             f"objective(s)")
     taus = ", ".join(f"{LABELS.get(o, o)} {_tau_text(m)}" for o, m in d.model_error.items())
-    sure = f"{1 - (1 - d.per_interval_level) * d.n_comparisons * d.policy.looks * len(_objectives(d)):.0%}"
-    gap = (f", gap z = {h.gap_z:+.1f}" if h is not None and h.gap_z is not None else "")
-    second = (f"Sure at {sure} overall (split over {d.policy.looks} look(s) x {d.n_comparisons} comparison(s) x "
-              f"{len(_objectives(d))} objective(s)), from the {d.source}" + (f" (simulator's tau: {taus}{gap})"
-                                                                            if taus else "") + "; ")
+    gap = f", gap z = {h.gap_z:+.1f}" if h is not None and h.gap_z is not None else ""
+    basis = f"from the {d.source}" + (f" (the simulator's tau: {taus}{gap})" if taus else "")
+    second = (f"Sure at {level} overall ({split}), {basis}; " if d.outcome != "undecided" else
+              f"Not resolved at {level} overall ({split}), {basis}; ")
     if pathology is None:
         second += "the one-bucket pathology was not measured."
     else:
         b, c = pathology.baseline, pathology.chosen
-        occurs = max(b.longest_streak, c.longest_streak) >= 2 * 32 or max(b.top_share, c.top_share) >= 0.5
-        second += (f"drafters pulling from one bucket {'does' if occurs else 'does not'} occur here: longest bucket "
-                   f"streak {b.longest_streak} of {b.streak_takes} takes ({pathology.baseline_name}) against "
+        second += (f"the one-bucket pathology (drafters pulling from one bucket for a whole window of "
+                   f"{pathology.window} takes) {'occurs' if pathology.occurs() else 'does not occur'} here: longest "
+                   f"bucket streak {b.longest_streak} of {b.streak_takes} takes ({pathology.baseline_name}) against "
                    f"{c.longest_streak} of {c.streak_takes} ({name}), most-taken bucket {b.top_bucket} "
                    f"{b.top_share:.0%} against {c.top_bucket} {c.top_share:.0%} of takes.")
     return first, second
+
+
+def _what(c: Combined) -> str:
+    return (f"{LABELS.get(c.objective, c.objective)} {_signed(c.difference, c)} "
+            f"[{_signed(c.interval[0], c)}, {_signed(c.interval[1], c)}]")
+
+
+def _open_text(d: Decision) -> str:
+    """Why it stays open: the unresolved comparison among the survivors that needs the most rounds."""
+    open_ = [c for c in d.comparisons if c.verdict == "unresolved" and {c.candidate, c.reference} <= set(d.survivors)]
+    if not open_:
+        return ""
+    c = max(open_, key=lambda c: (c.rounds_needed or 0, c.power is not None))
+    if c.sim is None or c.power is None:
+        return f"; {c.candidate} against {c.reference} on {LABELS.get(c.objective, c.objective)} is not resolved"
+    more = (f" (about {c.rounds_needed} paired rounds would resolve it, simulator included, with {POWER_GOAL:.0%} "
+            "power)") if c.rounds_needed else ""
+    return (f"; the simulator predicts {c.candidate} {_signed(c.sim, c)} on {LABELS.get(c.objective, c.objective)} "
+            f"against {c.reference}, which the hardware alone resolves with {c.power:.0%} power at this budget{more}")
 
 
 def _objectives(d: Decision) -> list[str]:
