@@ -15,8 +15,10 @@ How. The demo's three configurations (the sweep's pick ``tuned-1``, ``baseline``
 30/90) are simulated under a CPU calibration of the demo profile (``examples/cpu-smollm2.toml``; the
 timing of a ``dflash demo`` calibration run on the 2-core machine, :data:`DEMO_TIMING`). From each
 seed's run the blocks validation measures are cut: consecutive blocks of ``--block-takes`` takes (the
-sampler's mega_batch, 64), metrics with the same window W = 32 as the prediction, the first block (the
-start-up transient) dropped. Seeds ``HW_SEEDS`` make the hardware's pool; seeds ``PRED_SEEDS``,
+sampler's mega_batch, 64), metrics with the same window W = 32 as the prediction. As in validation, the
+first block (the start-up transient) is dropped when there are two rounds or more; with one round (the
+demo's budget) it is the one block measured, on both sides. The truth is the steady state (the blocks
+after the first). Seeds ``HW_SEEDS`` make the hardware's pool; seeds ``PRED_SEEDS``,
 disjoint from them (as validation's prediction seeds are disjoint from the sweep's), make the
 simulator's. Blocks of one seed and index pair the configurations (the same data order: a paired round).
 
@@ -113,6 +115,7 @@ class Setting:
     level: float
     rounds: int
     pred_seeds: int
+    first_block: str = "auto"  # "auto": validation's rule (block 0 kept only when alone); "drop": always dropped
 
     def label(self) -> str:
         return (f"margins thr {self.margins['throughput_tokens_per_s']:.0%} mix {self.margins['mix_efficiency']:g}, "
@@ -125,7 +128,10 @@ def base_config() -> DflashConfig:
 
 def seed_blocks(cfg: DflashConfig, queue: Mapping[str, Any], seed: int, blocks: int, block_takes: int,
                 sampler: Any = None) -> tuple[list[tuple[float, float]], float]:
-    """One simulated run cut into validation's blocks: (throughput, mix_efficiency) per block after the first.
+    """One simulated run cut into validation's blocks: (throughput, mix_efficiency) per block, block 0 first.
+
+    Block 0 is measured from the first take (the gate's opening: the steady span's start), later blocks
+    from the previous block's last take; validation keeps block 0 only when it is the only block.
 
     ``sampler``: the seed's sampler, shared by the configurations (as the sweep's evaluator shares it)."""
     from dflash.core.mixmetrics import entropy, expected_window_entropy, window_counts
@@ -140,14 +146,15 @@ def seed_blocks(cfg: DflashConfig, queue: Mapping[str, Any], seed: int, blocks: 
     tokens = {r["item_id"]: r["real_tokens"] for r in res.produce}
     takes = sorted(res.take, key=lambda r: r["t"])
     out = []
-    for k in range(1, blocks + 1):
+    for k in range(blocks + 1):
         blk = takes[k * block_takes:(k + 1) * block_takes]
         if len(blk) < block_takes:
             break
         buckets = [r["bucket"] for r in blk for _ in r["item_ids"]]
         mix = float(np.mean([entropy(n) for n in window_counts(buckets, window, len(p))])) / expected
-        span = float(blk[-1]["t"]) - float(takes[k * block_takes - 1]["t"])
-        out.append((sum(tokens[i] for r in blk for i in r["item_ids"]) / span, mix))
+        counted = blk[1:] if k == 0 else blk  # block 0: tokens after the first take, over the span from it
+        span = float(blk[-1]["t"]) - float((blk[0] if k == 0 else takes[k * block_takes - 1])["t"])
+        out.append((sum(tokens[i] for r in counted for i in r["item_ids"]) / span, mix))
     return out, float(res.metrics["peak_queue_bytes"])
 
 
@@ -170,7 +177,7 @@ def cached_pools(path: Path | None, blocks: int, block_takes: int) -> Pools:
     """The pools, from ``path`` when it holds pools of the same shape, else built (and saved there)."""
     if path is not None and path.exists():
         z = np.load(path)
-        if int(z["block_takes"]) == block_takes and z[f"hw:{PICK}"].shape[1] == blocks:
+        if int(z["block_takes"]) == block_takes and z[f"hw:{PICK}"].shape[1] == blocks + 1:
             return Pools({n: z[f"hw:{n}"] for n in CONFIGS}, {n: z[f"pred:{n}"] for n in CONFIGS},
                          {n: float(z[f"peak:{n}"]) for n in CONFIGS}, block_takes, int(z["window"]))
     pools = build_pools(blocks, block_takes)
@@ -182,7 +189,7 @@ def cached_pools(path: Path | None, blocks: int, block_takes: int) -> Pools:
 
 def truth(pools: Pools, world: World, margins: Mapping[str, float]) -> dict[str, np.ndarray]:
     """The true hardware means per configuration, with the world's bias on the pick (margins apart)."""
-    true = {n: a.mean(axis=(0, 1)) for n, a in pools.hw.items()}
+    true = {n: a[:, 1:].mean(axis=(0, 1)) for n, a in pools.hw.items()}  # the steady state: blocks after 0
     true[PICK] = true[PICK] + world.bias * np.array(world.on) * _margin_vector(margins, true[RIVAL])
     return true
 
@@ -214,17 +221,18 @@ def replicate(pools: Pools, setting: Setting, world: World, rng: random.Random) 
     """One validation against synthetic hardware: ('correct'|'false'|'undecided', simulator refuted?)."""
     names = list(CONFIGS)
     n_seed, n_block = pools.hw[names[0]].shape[:2]
-    cells = [(rng.randrange(n_seed), rng.randrange(n_block)) for _ in range(setting.rounds)]
+    kept = [0] if setting.rounds == 1 and setting.first_block == "auto" else list(range(1, n_block))
+    cells = [(rng.randrange(n_seed), rng.choice(kept)) for _ in range(setting.rounds)]
     seeds = rng.sample(range(pools.pred[names[0]].shape[0]), setting.pred_seeds)
     true = truth(pools, world, setting.margins)
-    shift = true[PICK] - pools.hw[PICK].mean(axis=(0, 1))
+    shift = true[PICK] - pools.hw[PICK][:, 1:].mean(axis=(0, 1))
     hw = {n: np.array([pools.hw[n][s, b] for s, b in cells]) + (shift if n == PICK else 0.0) for n in names}
-    sim = {n: pools.pred[n][seeds].mean(axis=1) for n in names}  # per prediction seed: its blocks' mean
+    sim = {n: pools.pred[n][seeds][:, kept].mean(axis=1) for n in names}  # per prediction seed: its kept blocks
     evidence = []
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             for j, o in enumerate(OBJECTIVES):
-                pair_sd = float(np.std(pools.pred[a][seeds, :, j] - pools.pred[b][seeds, :, j], ddof=1))
+                pair_sd = paired_sd(pools.pred[a][seeds][:, kept, j] - pools.pred[b][seeds][:, kept, j])
                 evidence.append(pair_evidence(a, b, o, sim_candidate=sim[a][:, j], sim_reference=sim[b][:, j],
                                               hw_candidate=hw[a][:, j], hw_reference=hw[b][:, j],
                                               model_block_sd=pair_sd))
@@ -235,6 +243,15 @@ def replicate(pools: Pools, setting: Setting, world: World, rng: random.Random) 
     if d.outcome == "undecided":
         return "undecided", refuted
     return ("correct" if d.chosen in acceptable(true, setting.margins) else "false"), refuted
+
+
+def paired_sd(diffs: np.ndarray) -> float:
+    """The simulator's sd of one round's difference: within seeds when each has several kept blocks (seed
+    means removed, pooled), else over seeds (one kept block each), as validation computes it."""
+    if diffs.shape[1] > 1:
+        res = diffs - diffs.mean(axis=1, keepdims=True)
+        return float(np.sqrt((res ** 2).sum() / (diffs.shape[0] * (diffs.shape[1] - 1))))
+    return float(np.std(diffs[:, 0], ddof=1))
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -261,10 +278,10 @@ def run_world(pools: Pools, setting: Setting, world: World, reps: int, seed: int
             "takes": setting.rounds * pools.block_takes * len(CONFIGS)}
 
 
-def default_setting(rounds: int, pred_seeds: int) -> Setting:
+def default_setting(rounds: int, pred_seeds: int, first_block: str = "auto") -> Setting:
     dc = DecisionConfig()
     return Setting({"throughput_tokens_per_s": dc.margin_throughput, "mix_efficiency": dc.margin_mix_efficiency},
-                   dc.z_refute, dc.level, rounds, pred_seeds)
+                   dc.z_refute, dc.level, rounds, pred_seeds, first_block)
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
@@ -318,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pred-seeds", type=int, default=8, help="prediction seeds per replication")
     ap.add_argument("--pool-blocks", type=int, default=6, help="blocks per simulated seed in the pools")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--first-block", choices=("auto", "drop"), default="auto",
+                    help="auto: validation's rule (the first block is the one measured when there is one round); "
+                         "drop: the first block's takes are spent and not measured (they cost as much again)")
     ap.add_argument("--cache", type=Path, default=None, help="keep the pools in this .npz (reused when it exists)")
     ap.add_argument("--grid", action="store_true", help="also run the settings tried while tuning the defaults")
     ap.add_argument("--no-record", action="store_true", help="print only; leave benchmarks/RESULTS.md alone")
@@ -336,9 +356,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     pools = cached_pools(a.cache, a.pool_blocks, a.block_takes)
     t_pool = time.perf_counter() - t0
-    setting = default_setting(rounds, a.pred_seeds)
+    setting = default_setting(rounds, a.pred_seeds, a.first_block)
     rows = [run_world(pools, setting, w, a.reps, a.seed) for w in WORLDS]
-    text = [f"decision-oc: {setting.label()}, budget {a.budget_takes} takes "
+    first = ("the first block measured (validation's rule with one round)" if rounds == 1 and a.first_block == "auto"
+             else f"the first block dropped (its {a.block_takes} takes per configuration not counted)")
+    text = [f"decision-oc: {setting.label()}, {first}, budget {a.budget_takes} measured takes "
             f"(~{a.budget_takes * SECONDS_PER_TAKE:.0f} s at {SECONDS_PER_TAKE} s/take), "
             f"{a.reps} replications per world, {a.pred_seeds} prediction seeds; "
             f"python benchmarks/decision_oc.py " + " ".join(argv if argv is not None else sys.argv[1:]),
