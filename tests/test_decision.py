@@ -244,6 +244,16 @@ def test_the_decision_rebuilds_from_its_json():
     assert all("gap_z" in c and "tau" in c and "power" in c for c in payload["comparisons"])
 
 
+def test_a_decision_without_a_spread_still_rebuilds_from_strict_json():
+    """One prediction seed (no seed spread) and no hardware round: infinities travel as null."""
+    ev = [pair_evidence("a", "b", o, sim_candidate=[1.0], sim_reference=[0.9], hw_candidate=[], hw_reference=[])
+          for o in OBJ]
+    d = decide(ev, {"a": 1.0, "b": 2.0}, POLICY)
+    payload = json.loads(json.dumps(d.as_json(), allow_nan=False))
+    assert decide_from_json(payload).as_json() == d.as_json()
+    assert d.outcome == "undecided"
+
+
 def test_the_answer_is_two_sentences_that_name_the_choice_its_cost_its_source_and_the_pathology():
     d = decide(three_configs(), PEAK, POLICY)
     path = Pathology(BucketUse(64, 400, 0.62, "<=512"), BucketUse(9, 400, 0.44, "<=512"))

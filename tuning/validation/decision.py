@@ -147,7 +147,7 @@ class Evidence:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Evidence:
-        return cls(**{k: (math.inf if d[k] is None and k in ("hw_se", "hw_df") else d[k])
+        return cls(**{k: (math.inf if d[k] is None and k in ("sim_se", "hw_se", "hw_df") else d[k])
                       for k in cls.__dataclass_fields__})
 
 
@@ -339,8 +339,8 @@ def combine(ev: Evidence, policy: DecisionPolicy, alpha: float) -> Combined:
         d, se, df, source, share = hw, se_hw, ev.hw_df, SOURCE_HW_ONLY, 0.0
     else:
         v_gap = v_sim + se_hw ** 2
-        gap_z = (sim - hw) / math.sqrt(v_gap) if math.isfinite(v_gap) and v_gap > 0 else 0.0
-        if abs(gap_z) > policy.z_refute:
+        gap_z = (sim - hw) / math.sqrt(v_gap) if math.isfinite(v_gap) and v_gap > 0 else None
+        if gap_z is not None and abs(gap_z) > policy.z_refute:
             d, se, df, source, share = hw, se_hw, ev.hw_df, f"{SOURCE_HW_REFUTED[:-1]}, gap z={gap_z:+.1f})", 0.0
         else:
             w_sim = 1.0 / v_sim if v_sim > 0 else math.inf
@@ -349,6 +349,8 @@ def combine(ev: Evidence, policy: DecisionPolicy, alpha: float) -> Combined:
                 d, se, share = (sim + hw) / 2, 0.0, 0.5
             elif math.isinf(w_sim) or math.isinf(w_hw):
                 d, se, share = (sim, 0.0, 1.0) if math.isinf(w_sim) else (hw, 0.0, 0.0)
+            elif w_sim + w_hw == 0:  # neither side has a spread: nothing is known
+                d, se, share = sim, math.inf, 1.0
             else:
                 share = w_sim / (w_sim + w_hw)
                 d, se = share * sim + (1 - share) * hw, 1.0 / math.sqrt(w_sim + w_hw)
@@ -609,6 +611,10 @@ def _sd(xs: Sequence[float]) -> float:
 
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:
-    """JSON has no inf/nan: they become None (``Evidence.from_json`` reads them back as inf)."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+    """JSON has no inf/nan: they become None, in lists too (``Evidence.from_json`` reads them back as inf)."""
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return [clean(x) for x in v] if isinstance(v, (list, tuple)) else v
+    return {k: clean(v) for k, v in d.items()}
 
