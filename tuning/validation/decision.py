@@ -37,6 +37,10 @@ nobody beats. One survivor: ``decided``. Several, all pairwise ``equivalent`` on
 the cheapest survivor is named (a costlier configuration is never preferred on unresolved
 evidence), with the paired rounds that would give 80% power at the simulator's predicted difference.
 
+What it never does: look at which blocks the numbers came from. A decision on a start-up transient
+block answers about the transient: ``benchmarks/decision_oc.py`` measured 30% false decisions in its
+reversed world when the one round measured is the first block, <= 1.9% (upper bound) with it dropped.
+
 Usage (numbers from validation; ``sim``: per prediction seed, the same seeds for every
 configuration; ``hw``: per paired round)::
 
