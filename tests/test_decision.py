@@ -84,8 +84,13 @@ def test_two_configurations_within_the_margins_are_equivalent_and_the_cheaper_wi
           hw_only("big", "small", "mix_efficiency", 0.01, 0.005)]
     d = decide(ev, {"big": 3e8, "small": 1e8}, POLICY)
     assert (d.outcome, d.chosen, set(d.survivors)) == ("equivalent", "small", {"big", "small"})
-    # one interval poking out of its margin (and holding 0): no longer an equivalence
+    # one interval poking out of its margin below (big - small in [-0.025, +0.065]): small could be worse
+    # than big by more than the margin, big not worse than small by more: big alone is certified
     ev[1] = hw_only("big", "small", "mix_efficiency", 0.02, 0.02)
+    d = decide(ev, {"big": 3e8, "small": 1e8}, POLICY)
+    assert (d.outcome, d.chosen, d.survivors) == ("decided", "big", ("big",))
+    # poking out on both sides: neither is certified, undecided, the cheaper named
+    ev[1] = hw_only("big", "small", "mix_efficiency", 0.0, 0.04)
     d = decide(ev, {"big": 3e8, "small": 1e8}, POLICY)
     assert d.outcome == "undecided" and d.chosen == "small"
     # poking out and clear of 0: the costlier one is better, and decided
@@ -266,8 +271,10 @@ def test_the_answer_is_two_sentences_that_name_the_choice_its_cost_its_source_an
 
 
 def test_an_undecided_answer_says_what_it_would_take():
-    """The demo's shape: tuned-1 predicted 8% faster than handpicked, one round of hardware."""
-    d = decide(three_configs(), PEAK, POLICY)
+    """The demo's shape: tuned-1 predicted 8% faster than handpicked, one round of hardware; with a 1%
+    throughput margin nobody is certified within it."""
+    policy = DecisionPolicy.from_config(DecisionConfig(margin_throughput=0.01), looks=1, objectives=OBJ)
+    d = decide(three_configs(), PEAK, policy)
     assert d.outcome == "undecided" and set(d.survivors) == {"tuned-1", "handpicked"}
     assert d.chosen == "handpicked"  # the cheaper survivor: never a costlier one on unresolved evidence
     assert d.rounds_needed is not None and d.rounds_needed > 1
@@ -284,3 +291,80 @@ def test_the_pathology_is_a_whole_window_from_one_bucket(base_streak, chosen_str
     d = decide(three_configs(), PEAK, POLICY)
     assert ("pathology (drafters pulling from one bucket for a whole window of 32 takes) "
             + ("occurs" if occurs else "does not occur")) in answer_sentences(d, p)[1]
+
+
+# --------------------------------------------------------------------------- the first block: bias transfer
+def test_without_a_first_block_the_transfer_reduces_to_the_precision_weighted_combination():
+    """d0 := dss (the same estimate: se0 = se_sim, cov = se_sim^2): k·(d_hw - d0) is the old weighting."""
+    for sim, hw, sim_se, hw_se in ((0.02, 0.05, 0.004, 0.03), (-0.1, 0.2, 0.02, 0.01), (0.0, 0.0, 0.001, 0.2)):
+        e = both("a", "b", "mix_efficiency", sim, hw, sim_se=sim_se, hw_se=hw_se)
+        e1 = dm.Evidence(**{**e.__dict__, "sim_first_diff": sim, "sim_first_se": sim_se, "sim_first_cov": sim_se ** 2})
+        old, new = combine(e, POLICY, 0.01), combine(e1, POLICY, 0.01)
+        assert new.difference == pytest.approx(old.difference) and new.se == pytest.approx(old.se)
+        assert new.gap_z == pytest.approx(old.gap_z) and new.verdict == old.verdict
+    # and through pair_evidence: the first block given as the steady-state values themselves
+    kw = dict(sim_candidate=[1.0, 1.04, 0.98, 1.01], sim_reference=[0.95, 0.96, 0.97, 0.93], hw_candidate=[1.0],
+              hw_reference=[0.9], model_block_sd=0.04)
+    plain = combine(pair_evidence("a", "b", "mix_efficiency", **kw), POLICY, 0.01)
+    same = combine(pair_evidence("a", "b", "mix_efficiency", sim_first_candidate=kw["sim_candidate"],
+                                 sim_first_reference=kw["sim_reference"], **kw), POLICY, 0.01)
+    assert same.difference == pytest.approx(plain.difference) and same.se == pytest.approx(plain.se)
+
+
+def test_the_first_blocks_error_is_transferred_to_the_steady_state_prediction():
+    """k = tau^2/(tau^2 + se_hw^2 + se0^2); estimate dss + k(d0_hw - d0_sim); variance se^2 + tau^2(1 - k)."""
+    tau = MODEL_ERROR["mix_efficiency"].tau
+    e = Evidence("a", "b", "mix_efficiency", 0.0, 0.003, 0.06, 0.02, math.inf, dm.HW_SE_MODEL, 1, 1.0,
+                 sim_first_diff=0.08, sim_first_se=0.004, sim_first_cov=0.0)
+    c = combine(e, POLICY, 0.01)
+    v = tau ** 2 + 0.02 ** 2 + 0.004 ** 2
+    k = tau ** 2 / v
+    assert c.difference == pytest.approx(0.0 + k * (0.06 - 0.08))  # the transient's +0.08 is not the steady state's
+    assert c.se == pytest.approx(math.sqrt(0.003 ** 2 + tau ** 2 * (1 - k)))
+    assert c.gap_z == pytest.approx((0.08 - 0.06) / math.sqrt(v))
+    payload = json.loads(json.dumps(decide([e], {"a": 1.0, "b": 1.0}, POLICY).as_json(), allow_nan=False))
+    assert payload["inputs"]["evidence"][0]["sim_first_diff"] == 0.08
+    assert decide_from_json(payload).comparisons[0].difference == pytest.approx(c.difference)
+
+
+# --------------------------------------------------------------------------- certification and global refutation
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.floats(-0.15, 0.15), st.floats(0.001, 0.05)), min_size=6, max_size=6))
+def test_a_configuration_is_chosen_only_when_every_lower_bound_clears_minus_the_margin(draws):
+    names = ("a", "b", "c")
+    ev = [hw_only(x, y, o, d, se) for (x, y), o, (d, se) in
+          zip([p for p in combinations(names, 2) for _ in OBJ], OBJ * 3, draws, strict=True)]
+    d = decide(ev, {"a": 1.0, "b": 2.0, "c": 3.0}, POLICY)
+
+    def lower(x: str, y: str, o: str) -> tuple[float, float]:
+        c = next(c for c in d.comparisons if {c.candidate, c.reference} == {x, y} and c.objective == o)
+        return (c.interval[0] if c.candidate == x else -c.interval[1]), c.margin
+
+    def certified(x: str) -> bool:
+        return all(lower(x, y, o)[0] > -lower(x, y, o)[1] for y in names if y != x for o in OBJ)
+
+    good = [n for n in names if certified(n)]
+    assert (d.outcome == "undecided") == (not good)
+    if good:
+        assert set(d.survivors) == set(good) and d.chosen == min(good, key={"a": 1.0, "b": 2.0, "c": 3.0}.get)
+        assert d.outcome == ("decided" if len(good) == 1 else "equivalent")
+
+
+def test_one_gap_beyond_z_refute_refutes_the_simulator_for_every_comparison():
+    ev = three_configs()
+    d = decide(ev, PEAK, POLICY)
+    assert not d.simulator_refuted and any(c.sim_weight > 0 for c in d.comparisons)
+    # the measured tuned-1 - baseline throughput contradicts the simulator on one comparison only
+    bad = [e if (e.candidate, e.reference, e.objective) != ("tuned-1", "baseline", OBJ[0]) else
+           Evidence(**{**e.__dict__, "hw_diff": -200.0}) for e in ev]
+    d = decide(bad, PEAK, POLICY)
+    assert d.simulator_refuted and sum(abs(c.gap_z) > POLICY.z_refute for c in d.comparisons) == 1
+    for c in d.comparisons:  # every comparison, not only the refuted one, is the hardware's alone
+        assert (c.difference, c.se, c.sim_weight) == (c.hw, c.evidence.hw_se, 0.0)
+        assert c.source.startswith(dm.SOURCE_HW_REFUTED[:-1])
+    assert d.source.startswith(dm.SOURCE_HW_REFUTED[:-1]) and "1 of 6 gaps" in d.source
+    payload = json.loads(json.dumps(d.as_json(), allow_nan=False))
+    assert payload["simulator_refuted"] is True
+    kept = [c["verdict_per_comparison"] for c in payload["comparisons"]]
+    assert kept != [c["verdict"] for c in payload["comparisons"]]  # the per-comparison verdicts stay for the table
+    assert decide_from_json(payload).as_json() == d.as_json()

@@ -62,7 +62,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import combinations
 from typing import Any
 
 from scipy import stats
@@ -145,14 +144,22 @@ class Evidence:
     hw_se_source: str
     hw_rounds: int
     scale: float = 1.0
+    sim_first_diff: float | None = None  # the simulator's difference over the hardware's (first) block
+    sim_first_se: float = 0.0
+    sim_first_cov: float = 0.0  # covariance of the simulator's first-block and steady-state estimates
 
     def as_json(self) -> dict[str, Any]:
         return _finite({k: getattr(self, k) for k in self.__dataclass_fields__})
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Evidence:
-        return cls(**{k: (math.inf if d[k] is None and k in ("sim_se", "hw_se", "hw_df") else d[k])
-                      for k in cls.__dataclass_fields__})
+        inf_if_null = ("sim_se", "hw_se", "hw_df", "sim_first_se", "sim_first_cov")
+        defaults = {"sim_first_diff": None, "sim_first_se": 0.0, "sim_first_cov": 0.0}
+        out = {}
+        for k in cls.__dataclass_fields__:
+            v = d.get(k, defaults.get(k)) if k in defaults else d[k]
+            out[k] = math.inf if v is None and k in inf_if_null else v
+        return cls(**out)
 
 
 def seed_difference(candidate: Sequence[float], reference: Sequence[float]) -> tuple[float, float]:
@@ -194,8 +201,15 @@ def round_difference(candidate: Sequence[float], reference: Sequence[float], *, 
 def pair_evidence(candidate: str, reference: str, objective: str, *, sim_candidate: Sequence[float] | None,
                   sim_reference: Sequence[float] | None, hw_candidate: Sequence[float],
                   hw_reference: Sequence[float], model_block_sd: float | None = None, scale: float | None = None,
-                  min_rounds: int = MIN_ROUNDS_EMPIRICAL) -> Evidence:
+                  min_rounds: int = MIN_ROUNDS_EMPIRICAL, sim_first_candidate: Sequence[float] | None = None,
+                  sim_first_reference: Sequence[float] | None = None) -> Evidence:
     """:class:`Evidence` from per-seed simulated values and per-round measured values.
+
+    ``sim_candidate``/``sim_reference``: the simulator's steady-state values per prediction seed.
+    ``sim_first_candidate``/``sim_first_reference`` (optional, the same seeds in the same order): the
+    simulator's values over the *same block* the hardware measured (the first block of takes, same
+    window): the decision then transfers the simulator's error from that block to its steady-state
+    prediction (:func:`combine`). None: the hardware's blocks are steady-state blocks (today's rule).
 
     ``scale`` defaults to the reference's simulated mean (else its measured mean): the level that a
     relative margin and τ are fractions of.
@@ -209,7 +223,17 @@ def pair_evidence(candidate: str, reference: str, objective: str, *, sim_candida
     if scale is None:
         ref = list(sim_reference) if sim_reference is not None and len(sim_reference) else list(hw_reference)
         scale = abs(_mean(ref)) if ref else 1.0
-    return Evidence(candidate, reference, objective, sd, sse, hd, hse, hdf, src, n, float(scale))
+    first: tuple[float | None, float, float] = (None, 0.0, 0.0)
+    if sd is not None and sim_first_candidate is not None and sim_first_reference is not None:
+        d0, se0 = seed_difference(sim_first_candidate, sim_first_reference)
+        ss = [x - y for x, y in zip(map(float, sim_candidate), map(float, sim_reference), strict=True)]
+        s0 = [x - y for x, y in zip(map(float, sim_first_candidate), map(float, sim_first_reference), strict=True)]
+        if len(s0) != len(ss):
+            raise ValueError("the simulator's first-block and steady-state values must come from the same seeds")
+        cov = (sum((a - _mean(s0)) * (b - _mean(ss)) for a, b in zip(s0, ss, strict=True)) / (len(ss) - 1)
+               / len(ss)) if len(ss) > 1 else 0.0
+        first = (d0, se0, cov)
+    return Evidence(candidate, reference, objective, sd, sse, hd, hse, hdf, src, n, float(scale), *first)
 
 
 def estimate_evidence(candidate: str, reference: str, objective: str, *, hw_candidate: tuple[float, float],
@@ -303,13 +327,18 @@ class Decision:
     rounds_needed: int | None  # undecided: paired rounds for POWER_GOAL power at the predicted difference
     note: str
     model_error: Mapping[str, ModelError] = field(default_factory=dict)
+    simulator_refuted: bool = False  # some gap beyond z_refute: every comparison is the hardware's alone
+    verdicts_per_comparison: tuple[str, ...] = ()  # each comparison judged on its own gap (the older rule)
 
     def as_json(self) -> dict[str, Any]:
         return _finite({
             "outcome": self.outcome, "chosen": self.chosen, "survivors": list(self.survivors),
             "decided_by": list(self.decided_by), "source": self.source,
             "headline": self.headline.as_json() if self.headline else None,
-            "comparisons": [c.as_json() for c in self.comparisons],
+            "simulator_refuted": self.simulator_refuted,
+            "comparisons": [{**c.as_json(), "verdict_per_comparison": v} for c, v in
+                            zip(self.comparisons, self.verdicts_per_comparison or [c.verdict for c in
+                                                                                     self.comparisons], strict=True)],
             "per_interval_level": self.per_interval_level, "n_comparisons": self.n_comparisons,
             "rounds_needed": self.rounds_needed, "note": self.note,
             "model_error": {o: m.as_json() for o, m in self.model_error.items()},
@@ -326,10 +355,14 @@ def split_alpha(level: float, looks: int, comparisons: int, objectives: int) -> 
     return (1.0 - level) / (looks * comparisons * objectives)
 
 
-def combine(ev: Evidence, policy: DecisionPolicy, alpha: float) -> Combined:
+def combine(ev: Evidence, policy: DecisionPolicy, alpha: float, *, hardware_alone: bool = False) -> Combined:
     """One pair, one objective: the combination, the gap, the interval and the verdict.
 
-    ``alpha``: this interval's share of 1 - level (:func:`split_alpha`).
+    ``alpha``: this interval's share of 1 - level (:func:`split_alpha`). ``hardware_alone``: the
+    simulator was refuted for the whole decision (:func:`decide`): the hardware decides alone here too.
+    Without first-block inputs the hardware's blocks are steady-state blocks and the combination is
+    the precision-weighted one; with them the simulator's error on the measured block is transferred to
+    its steady-state prediction (the module's docstring); the first reduces to the second exactly.
     """
     sense = SENSE[ev.objective]
     me = MODEL_ERROR.get(ev.objective)
@@ -342,10 +375,23 @@ def combine(ev: Evidence, policy: DecisionPolicy, alpha: float) -> Combined:
     if sim is None:
         d, se, df, source, share = hw, se_hw, ev.hw_df, SOURCE_HW_ONLY, 0.0
     else:
-        v_gap = v_sim + se_hw ** 2
-        gap_z = (sim - hw) / math.sqrt(v_gap) if math.isfinite(v_gap) and v_gap > 0 else None
-        if gap_z is not None and abs(gap_z) > policy.z_refute:
-            d, se, df, source, share = hw, se_hw, ev.hw_df, f"{SOURCE_HW_REFUTED[:-1]}, gap z={gap_z:+.1f})", 0.0
+        first = ev.sim_first_diff is not None
+        d0 = sense * ev.sim_first_diff if first else sim  # the simulator on the block the hardware measured
+        v0 = ev.sim_first_se ** 2 if first else ev.sim_se ** 2
+        c0 = ev.sim_first_cov if first else ev.sim_se ** 2  # cov(first-block, steady-state simulated estimates)
+        v_gap = tau ** 2 + v0 + se_hw ** 2
+        gap_z = (d0 - hw) / math.sqrt(v_gap) if math.isfinite(v_gap) and v_gap > 0 else None
+        if hardware_alone or (gap_z is not None and abs(gap_z) > policy.z_refute):
+            z_text = f"gap z={gap_z:+.1f}" if gap_z is not None else "no gap"
+            d, se, df, source, share = hw, se_hw, ev.hw_df, f"{SOURCE_HW_REFUTED[:-1]}, {z_text})", 0.0
+        elif first:  # bias transfer: the error measured on the first block shifts the steady prediction
+            if math.isfinite(v_gap) and v_gap > 0 and math.isfinite(v_sim) and math.isfinite(c0):
+                k = (tau ** 2 + c0) / v_gap
+                d, se, share = sim + k * (hw - d0), math.sqrt(max(v_sim - (tau ** 2 + c0) ** 2 / v_gap, 0.0)), 1 - k
+            else:  # a side without a spread: nothing is transferred, nothing known beyond the prediction
+                d, se, share = sim, math.inf, 1.0
+            df = math.inf
+            source = SOURCE_SIM if share >= SIM_DOMINATES else SOURCE_BOTH
         else:
             w_sim = 1.0 / v_sim if v_sim > 0 else math.inf
             w_hw = 1.0 / se_hw ** 2 if se_hw > 0 else math.inf
@@ -364,8 +410,9 @@ def combine(ev: Evidence, policy: DecisionPolicy, alpha: float) -> Combined:
     lo, hi = (d - q * se, d + q * se) if math.isfinite(se) else (-math.inf, math.inf)
     verdict = _verdict(lo, hi, margin)
     power = _power(sim, se_hw, _quantile(1 - alpha / 2, ev.hw_df)) if sim is not None else None
-    needed = _rounds_needed(ev, sim if sim is not None else d, margin, v_sim if gap_z is not None and
-                            abs(gap_z) <= policy.z_refute else math.inf, q) if verdict == "unresolved" else None
+    kept = gap_z is not None and abs(gap_z) <= policy.z_refute and not hardware_alone
+    needed = _rounds_needed(ev, sim if sim is not None else d, margin, v_sim if kept else math.inf, q) \
+        if verdict == "unresolved" else None
     return Combined(ev, sim, hw, tau, margin, gap_z, gap_z is not None and abs(gap_z) > policy.z_refute, source,
                     d, se, (lo, hi), verdict, share, power, needed)
 
@@ -385,37 +432,53 @@ def decide(evidence: Sequence[Evidence], peak_queue_bytes: Mapping[str, float], 
     pairs = sorted({frozenset((e.candidate, e.reference)) for e in evidence}, key=sorted)
     names = sorted({n for p in pairs for n in p})
     alpha = split_alpha(policy.level, policy.looks, len(pairs), len(objectives))
-    comps = tuple(combine(e, policy, alpha) for e in evidence)
+    kept = tuple(combine(e, policy, alpha) for e in evidence)  # each comparison on its own gap (the report's table)
+    refuted = any(c.refuted for c in kept)  # one gap too large refutes the simulator for the whole decision
+    comps = tuple(combine(e, policy, alpha, hardware_alone=True) for e in evidence) if refuted else kept
     verdict = {(c.candidate, c.reference, c.objective): c.verdict for c in comps}
+    lower: dict[tuple[str, str, str], tuple[float, float]] = {}  # (a, b, o) -> (lower bound of a - b, margin)
     for c in comps:
         verdict.setdefault((c.reference, c.candidate, c.objective), _FLIP[c.verdict])
+        lower[(c.candidate, c.reference, c.objective)] = (c.interval[0], c.margin)
+        lower.setdefault((c.reference, c.candidate, c.objective), (-c.interval[1], c.margin))
 
     def beats(a: str, b: str) -> tuple[str, ...]:
         vs = [verdict.get((a, b, o), "unresolved") for o in objectives]
         return tuple(o for o, v in zip(objectives, vs, strict=True) if v == "better") if "worse" not in vs else ()
 
-    survivors = tuple(n for n in names if not any(beats(m, n) for m in names if m != n))
+    def certified(a: str) -> bool:
+        """Not worse than any other by more than the margin, on every objective, at the split level."""
+        return all(lower.get((a, m, o), (-math.inf, 0.0))[0] > -lower.get((a, m, o), (0.0, 0.0))[1]
+                   for m in names if m != a for o in objectives)
+
     cost = {n: float(peak_queue_bytes.get(n, math.inf)) for n in names}
-    cheapest = min(survivors, key=lambda n: (cost[n], n)) if survivors else None
+    good = tuple(n for n in names if certified(n))
     rounds = None
-    if len(survivors) == 1:
-        outcome, chosen = "decided", survivors[0]
-    elif survivors and all(verdict.get((a, b, o)) == "equivalent" for a, b in combinations(survivors, 2)
-                           for o in objectives):
-        outcome, chosen = "equivalent", cheapest
+    if good:  # several certified ones are within the margins of each other (both lower bounds > -margin)
+        survivors = good
+        outcome, chosen = ("decided" if len(good) == 1 else "equivalent"), min(good, key=lambda n: (cost[n], n))
     else:
-        outcome, chosen = "undecided", cheapest
+        survivors = tuple(n for n in names if not any(beats(m, n) for m in names if m != n))
+        outcome, chosen = "undecided", (min(survivors, key=lambda n: (cost[n], n)) if survivors else None)
         open_ = [c for c in comps if c.verdict == "unresolved" and {c.candidate, c.reference} <= set(survivors)]
         rounds = max((c.rounds_needed for c in open_ if c.rounds_needed is not None), default=None)
-    decided_by = tuple(o for o in objectives if chosen and any(o in beats(chosen, m) for m in names if m != chosen))
+    decided_by = tuple(o for o in objectives if chosen and any(verdict.get((chosen, m, o)) == "better"
+                                                               for m in names if m != chosen))
     headline = _headline(comps, chosen, names, decided_by or tuple(objectives), cost)
     deciding = [c for c in comps if chosen in (c.candidate, c.reference) and c.verdict != "unresolved"]
-    source = _overall_source(deciding or [c for c in comps if chosen in (c.candidate, c.reference)])
+    if refuted:
+        worst = max((c for c in kept if c.gap_z is not None), key=lambda c: abs(c.gap_z or 0.0))
+        source = (f"{SOURCE_HW_REFUTED[:-1]}: {sum(c.refuted for c in kept)} of {len(kept)} gaps beyond "
+                  f"|z| {policy.z_refute:g}, largest z={worst.gap_z:+.1f} ({worst.candidate} - {worst.reference}, "
+                  f"{LABELS.get(worst.objective, worst.objective)}))")
+    else:
+        source = _overall_source(deciding or [c for c in comps if chosen in (c.candidate, c.reference)])
     note = _note(outcome, survivors, rounds, comps)
     return Decision(outcome, chosen, survivors, decided_by, source, headline, comps, policy,
                     dict(peak_queue_bytes), 1 - alpha, len(pairs), rounds, note,
                     {o: MODEL_ERROR[o] for o in objectives
-                     if o in MODEL_ERROR and any(c.objective == o and c.sim is not None for c in comps)})
+                     if o in MODEL_ERROR and any(c.objective == o and c.sim is not None for c in comps)},
+                    refuted, tuple(c.verdict for c in kept))
 
 
 def decide_from_json(payload: Mapping[str, Any]) -> Decision:
@@ -595,9 +658,10 @@ def _overall_source(comps: Sequence[Combined]) -> str:
 
 def _note(outcome: str, survivors: Sequence[str], rounds: int | None, comps: Sequence[Combined]) -> str:
     if outcome == "decided":
-        return "one configuration beats the others"
+        return "one configuration is certified: no other is better than it by more than a margin on any objective"
     if outcome == "equivalent":
-        return f"{', '.join(survivors)} are within the margins of each other on every objective; the cheaper wins"
+        return (f"{', '.join(survivors)} are certified (no other is better by more than a margin on any objective), "
+                "so within the margins of each other; the cheapest wins")
     trade = any(c.verdict in ("better", "worse") for c in comps if {c.candidate, c.reference} <= set(survivors))
     why = "a resolved trade-off between objectives" if trade else "differences neither resolved nor inside the margins"
     more = f"; about {rounds} paired rounds would give {POWER_GOAL:.0%} power at the simulator's predicted difference" \
