@@ -433,17 +433,18 @@ class DecisionConfig:
     cheaper in queue memory wins. ``margin_throughput`` is a fraction of the reference's throughput;
     the others are in their objective's unit. ``level`` is the confidence of the whole decision (split
     over looks x comparisons x objectives); ``z_refute``: a gap between the simulated and measured
-    differences larger than this many standard errors refutes the simulator for that comparison. The
-    defaults come from ``benchmarks/decision_oc.py`` (docs/ARCHITECTURE.md,
-    "Decisions: the validated simulator plus the hardware").
+    differences larger than this many standard errors on any comparison refutes the simulator for the
+    whole decision (the hardware then decides alone). The defaults (the smallest margins and the
+    threshold that meet the decision's goals at the demo's one-round budget) come from
+    ``benchmarks/decision_oc.py`` (docs/ARCHITECTURE.md, "Decisions: the validated simulator plus the hardware").
     """
 
-    margin_throughput: float = 0.10
+    margin_throughput: float = 0.15
     margin_mix_efficiency: float = 0.05
     margin_heldout_tau: float = 0.02
     margin_heldout_loss: float = 0.2
     level: float = 0.95
-    z_refute: float = 2.0
+    z_refute: float = 2.25
 
     def __post_init__(self) -> None:
         check_float("decision.margin_throughput", self.margin_throughput, 0.0, 1.0, lo_open=True)

@@ -2,8 +2,9 @@
 
 What it decides: given, for every pair of validated configurations and every objective, the
 simulator's predicted difference and the hardware's measured one, which configuration to use, and
-whether that is a *decision* (one configuration beats the rest), an *equivalence* (the survivors are
-within the margins of each other on every objective, so the cheaper in queue memory wins) or
+whether that is a *decision* (one configuration is certified within the margins of the best), an
+*equivalence* (several are, so they are within the margins of each other and the cheaper in queue
+memory wins) or
 *undecided* (and what it would take). Pure: no torch, no trainer, no simulator calls, no files;
 :mod:`tuning.validation.summary` feeds it numbers and writes :meth:`Decision.as_json` into
 ``validation.json``, from which :func:`decide_from_json` rebuilds the same decision.
@@ -18,28 +19,46 @@ How, per pair (candidate c, reference r) and objective o, oriented so that posit
   round see the same data order, so the per-round differences cancel the data's phase), Student-t
   with n - 1 degrees of freedom; with too few rounds for a spread, the simulator's predicted
   block-to-block spread stands in, and ``hw_se_source`` says so;
-- the combination: precision-weighted, w_sim = 1/(se_sim² + τ²), w_hw = 1/se_hw² (the minimum
-  variance unbiased mix of two unbiased estimates; τ² makes the simulator only as precise as it has
-  been shown to be on configurations it never saw);
-- the gap z = (d_sim - d_hw) / sqrt(se_sim² + τ² + se_hw²) is reported beside it; when |z| >
-  ``z_refute`` the simulator is refuted for that comparison and the hardware decides alone;
+- the combination. When the hardware's blocks are steady-state blocks: precision-weighted, w_sim =
+  1/(se_sim² + τ²), w_hw = 1/se_hw² (the minimum variance unbiased mix of two unbiased estimates; τ²
+  makes the simulator only as precise as it has been shown to be on configurations it never saw).
+  When the hardware could afford only the first block (the start-up transient; the demo's one round),
+  *bias transfer*: the simulator also predicts that block's difference ``d0_sim ± se0_sim``, over the
+  same takes, window and seeds, and the hardware measures ``d0_hw ± se_hw``. Model: the true steady
+  difference is dss_sim + b with b ~ N(0, τ²), and d0_hw = d0_sim + b + noise, i.e. **the simulator's
+  error is a shift common to the first block and the steady state**. Why that assumption: the error
+  comes from the calibration (the timing fit, the workload model), which is the same in both phases,
+  while what differs between them (the queue filling from empty, the gate opening) is what the
+  simulator models explicitly; it is also the only assumption under which one transient block says
+  anything about the steady state. Then k = (τ² + c)/(τ² + se_hw² + se0_sim²), the estimate is
+  dss_sim + k·(d0_hw - d0_sim) and its variance se_sim² + τ² - (τ² + c)²/(τ² + se_hw² + se0_sim²),
+  where c is the covariance of the simulator's two estimates over its seeds (0 for independent runs:
+  the variance is then se_sim² + τ²(1 - k)). Without first-block inputs d0 := dss (c = se_sim²) and
+  this is exactly the precision-weighted combination (``tests/test_decision.py`` proves it);
+- the gap z = (d0_sim - d0_hw) / sqrt(τ² + se0_sim² + se_hw²) is reported beside it (d0 = dss without a
+  first block). Refutation is for the pipeline, not per comparison: when any comparison's |z| >
+  ``z_refute``, the simulator is refuted for the whole decision, said once, and every comparison falls
+  back to the hardware alone (at one round it rarely certifies anything: then undecided, not false).
+  The per-comparison verdict (each comparison judged on its own gap) stays in the JSON for the table;
 - the interval d ± q·se at the split level: α = 1 - level is divided over looks × comparisons ×
   objectives (Bonferroni: valid whatever the dependence between the comparisons and the stopping
   rule; conservative by little when the count is small);
-- a verdict: ``equivalent`` when the interval lies inside ±margin_o, else ``better`` when it lies
-  above 0, ``worse`` when below, else ``unresolved``. Equivalence comes first: a difference resolved
-  but inside the margin is one the user said they do not care about.
+- a verdict per comparison: ``equivalent`` when the interval lies inside ±margin_o, else ``better``
+  when it lies above 0, ``worse`` when below, else ``unresolved`` (the report's table).
 
-Over the whole set: a configuration is *beaten* when another is ``better`` on some objective and
-``worse`` on none (a resolved trade-off beats neither way). The survivors are the configurations
-nobody beats. One survivor: ``decided``. Several, all pairwise ``equivalent`` on every objective:
-``equivalent``, and the one with the least peak queue memory is chosen. Otherwise ``undecided``:
-the cheapest survivor is named (a costlier configuration is never preferred on unresolved
-evidence), with the paired rounds that would give 80% power at the simulator's predicted difference.
+Over the whole set, *within the margin of the best* (multiple comparisons with the best): a
+configuration c is *certified* when for every other configuration r and every objective the lower
+bound of c - r at the split level is above -margin (no other can be better than c by more than the
+margin the user cares about: the issue's "the truly best, or one equivalent to it within δ"). One
+certified: ``decided``. Several: they are within the margins of each other (both lower bounds above
+-margin), so ``equivalent``, and the one with the least peak queue memory is chosen. None:
+``undecided``: the cheapest configuration nobody beats (``better`` on some objective, ``worse`` on
+none) is named (a costlier configuration is never preferred on unresolved evidence), with the paired
+rounds that would give 80% power at the simulator's predicted difference.
 
-What it never does: look at which blocks the numbers came from. A decision on a start-up transient
-block answers about the transient: ``benchmarks/decision_oc.py`` measured 30% false decisions in its
-reversed world when the one round measured is the first block, <= 1.9% (upper bound) with it dropped.
+What it never does: look at which blocks the numbers came from; the caller says whether the hardware's
+block is the first one (first-block inputs) or steady-state blocks. ``benchmarks/decision_oc.py``
+measured what each choice gives at the demo's budget (benchmarks/RESULTS.md).
 
 Usage (numbers from validation; ``sim``: per prediction seed, the same seeds for every
 configuration; ``hw``: per paired round)::
