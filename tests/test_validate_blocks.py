@@ -233,3 +233,30 @@ def test_the_decision_gets_every_pair_and_objective_from_validation(tmp_path: Pa
     assert {c.evidence.hw_se_source for c in d.comparisons} == {"simulator's block-to-block variance"}
     rebuilt = d.as_json()["inputs"]["evidence"]
     assert len(rebuilt) == 6 and all(e["sim_diff"] is not None for e in rebuilt)
+
+
+def test_with_one_block_the_prediction_continues_into_the_steady_state_and_the_decision_transfers(
+        tmp_path: Path) -> None:
+    """One round: the hardware measured only the first block (the transient). The prediction of that
+    block stays like with like, and the same seeds run on for STEADY_BLOCKS more blocks (``steady``);
+    the decision gets the steady state as the prediction and the first block as the first-block one."""
+    from tuning.validation.predict import STEADY_BLOCKS, predict
+    from tuning.validation.recommendation import decide_validation
+
+    cfg, _, _ = _sim_run(tmp_path, window=8, steps=10)
+    queues = {"tuned-1": {"min_ready": 4, "max_depth": 12}, "baseline": {"min_ready": 2, "max_depth": 4}}
+    preds = {n: predict({"queue": q}, cfg, 20, tmp_path / n, blocks=[(0, 20)], kept=[0]) for n, q in queues.items()}
+    a = preds["tuned-1"]
+    assert STEADY_BLOCKS >= 2 and len(a["steady"]["mix_efficiency"]["per_seed"]) == len(a["seeds"])
+    assert a["steady"]["mix_efficiency"]["per_seed"] != a["mix_efficiency"]["per_seed"]  # another span
+    configs = [{"name": n, "kept_blocks": [0], "predicted": p} for n, p in preds.items()]
+    rows = {n: [{"name": n, "block": 0, "mix_efficiency": p["mix_efficiency"]["mean"],
+                 "throughput_tokens_per_s": p["throughput_tokens_per_s"]["mean"]}] for n, p in preds.items()}
+    d = decide_validation(DflashConfig().decision, 1, configs, rows, {}, {"tuned-1": 2e6, "baseline": 1e6})
+    for c in d.comparisons:
+        o, e = c.objective, c.evidence
+        steady = [x - y for x, y in zip(preds["tuned-1"]["steady"][o]["per_seed"],
+                                        preds["baseline"]["steady"][o]["per_seed"], strict=True)]
+        first = [x - y for x, y in zip(preds["tuned-1"][o]["per_seed"], preds["baseline"][o]["per_seed"], strict=True)]
+        assert e.sim_diff == pytest.approx(sum(steady) / len(steady))
+        assert e.sim_first_diff == pytest.approx(sum(first) / len(first))

@@ -6,7 +6,10 @@ block (:func:`tuning.validation.metrics.records_block_metrics`: the same window,
 span); the same blocks are kept (:func:`tuning.validation.metrics.kept_blocks`: the first block's
 transient dropped in both). The prediction is the mean over seeds of each seed's kept-block mean;
 its spread over blocks is the simulator's block-to-block standard deviation at this block length,
-which the decision may use as the hardware's variance when there are too few paired rounds.
+which the decision may use as the hardware's variance when there are too few paired rounds. With
+only the first block measured (one round) the prediction of that block is also continued into the
+steady state (``steady``: :data:`STEADY_BLOCKS` more blocks per seed), so that the decision can
+transfer the simulator's error on the first block to its steady-state prediction.
 
 Seeds: disjoint from the sweep's (:func:`prediction_seeds`). The sweep's pick won on the sweep's
 seeds, so a prediction on those seeds would carry the winner's curse.
@@ -26,6 +29,7 @@ from tuning.validation.metrics import COMPARED, records_block_metrics
 from tuning.validation.plan import queue_overrides
 
 PREDICTION_SEEDS = 3
+STEADY_BLOCKS = 6  # with only the first block measured: the steady state is predicted over this many more
 PREDICTION_STREAM = 0x7A11D  # the validation's prediction stream, apart from the sweep's cfg.seed + r
 
 
@@ -61,7 +65,7 @@ def predict(entry: dict[str, Any], calibrated: DflashConfig, steps: int, records
     cfg = with_overrides(calibrated, queue_overrides(entry["queue"]))
     seeds = prediction_seeds(cfg)
     keep = list(kept) if kept is not None else list(range(len(blocks or ())))
-    runs, per_block = [], []
+    runs, per_block, steady_block = [], [], []
     for r, seed in enumerate(seeds):
         c = with_overrides(cfg, {"seed": seed})
         sampler = make_sampler(c.workload, c.target.model, c.seed, c.drafter.block_size,
@@ -74,6 +78,8 @@ def predict(entry: dict[str, Any], calibrated: DflashConfig, steps: int, records
             per_block.append([records_block_metrics(produce, takes, c, p=mix, n_buckets=sampler.n_buckets,
                                                     first_step=a, upto_step=b)
                               for k, (a, b) in enumerate(blocks) if k in keep])
+            if keep == [0] and len(blocks) == 1:
+                steady_block.append(_steady_blocks(c, blocks[0], steps))
     out: dict[str, Any] = {"seeds": list(seeds)}
     block_values: dict[str, list[list[float | None]]] = {}
     for k in COMPARED:
@@ -96,6 +102,44 @@ def predict(entry: dict[str, Any], calibrated: DflashConfig, steps: int, records
     if blocks is not None:
         out["blocks"] = block_values
         out["kept_blocks"] = keep
+    if steady_block:
+        out["steady"] = _steady_summary(steady_block, len(seeds))
+    return out
+
+
+def _steady_blocks(c: DflashConfig, first: tuple[int, int], steps: int) -> list[dict[str, Any]]:
+    """With only the first block measured (the start-up transient), the simulator's steady state: the
+    same seed run on for :data:`STEADY_BLOCKS` more blocks of the first block's length, each measured
+    like a hardware block. The decision transfers the simulator's error on the first block to this
+    prediction (:func:`tuning.validation.decision.combine`)."""
+    from dflash.core.sampler import heldout_per_bucket
+    from simulator.run import simulate
+    from simulator.workload import make_sampler
+
+    length = max(1, first[1] - first[0])
+    sampler = make_sampler(c.workload, c.target.model, c.seed, c.drafter.block_size,
+                           heldout_per_bucket=heldout_per_bucket(c))
+    res = simulate(c, sampler, sim_seconds=1e9, max_steps=max(steps, first[1]) + STEADY_BLOCKS * length,
+                   keep_records=True)
+    mix = sampler.item_mix()
+    return [records_block_metrics(res.produce, res.take, c, p=mix, n_buckets=sampler.n_buckets,
+                                  first_step=first[1] + j * length, upto_step=first[1] + (j + 1) * length)
+            for j in range(STEADY_BLOCKS)]
+
+
+def _steady_summary(per_seed_blocks: list[list[dict[str, Any]]], n_seeds: int) -> dict[str, Any]:
+    """Per metric: the steady-state mean over seeds and each seed's mean over its steady blocks."""
+    out: dict[str, Any] = {}
+    for k in COMPARED:
+        if k in ("loss_roughness", "peak_queue_bytes"):
+            continue
+        means = []
+        for blks in per_seed_blocks:
+            xs = [v for v in (_finite(b.get(k)) for b in blks) if v is not None]
+            if xs:
+                means.append(float(np.mean(xs)))
+        out[k] = {"mean": float(np.mean(means)) if means else None,
+                  "per_seed": means if len(means) == n_seeds else None}
     return out
 
 

@@ -96,6 +96,9 @@ def decide_validation(decision_cfg: Any, looks: int, configs: list[dict[str, Any
     block index: the same data order) on the kept blocks, with the simulator's per-seed kept-block
     means (the same prediction seeds for every configuration: paired by seed) and its block-to-block
     standard deviation of a round's difference (:func:`tuning.validation.predict.paired_block_sd`).
+    With only the first block measured (one round: the start-up transient), the simulator's steady
+    state (``predicted[...]["steady"]``) is the prediction and its first block is passed as the
+    first-block prediction: the decision transfers the simulator's error there to the steady state.
     Held-out objectives are the hardware's alone. None when nothing can be compared."""
     from itertools import combinations
 
@@ -123,8 +126,14 @@ def decide_validation(decision_cfg: Any, looks: int, configs: list[dict[str, Any
             pa, pb = by[a]["predicted"].get(o) or {}, by[b]["predicted"].get(o) or {}
             sa, sb = pa.get("per_seed"), pb.get("per_seed")
             sim = sa is not None and sb is not None and len(sa) == len(sb)
-            evidence.append(pair_evidence(a, b, o, sim_candidate=sa if sim else None, sim_reference=sb if sim else None,
+            # Only the first block measured: the simulator's steady state, with its first block for the transfer
+            ta, tb = ((by[x]["predicted"].get("steady") or {}).get(o, {}).get("per_seed") for x in (a, b))
+            steady = sim and ta is not None and tb is not None and len(ta) == len(tb) == len(sa) and common == [0]
+            first = {"sim_first_candidate": sa, "sim_first_reference": sb} if steady else {}
+            evidence.append(pair_evidence(a, b, o, sim_candidate=(ta if steady else sa) if sim else None,
+                                          sim_reference=(tb if steady else sb) if sim else None,
                                           hw_candidate=[rounds[a][o][k] for k in common],
                                           hw_reference=[rounds[b][o][k] for k in common],
-                                          model_block_sd=paired_block_sd(by[a]["predicted"], by[b]["predicted"], o)))
+                                          model_block_sd=paired_block_sd(by[a]["predicted"], by[b]["predicted"], o),
+                                          **first))
     return decide(evidence, {n: peak_bytes.get(n, math.inf) for n in by}, policy)
