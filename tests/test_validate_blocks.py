@@ -240,13 +240,14 @@ def test_with_one_block_the_prediction_continues_into_the_steady_state_and_the_d
     """One round: the hardware measured only the first block (the transient). The prediction of that
     block stays like with like, and the same seeds run on for STEADY_BLOCKS more blocks (``steady``);
     the decision gets the steady state as the prediction and the first block as the first-block one."""
-    from tuning.validation.predict import STEADY_BLOCKS, predict
+    from tuning.validation.predict import FIRST_BLOCK_SEEDS, STEADY_BLOCKS, predict, prediction_seeds
     from tuning.validation.recommendation import decide_validation
 
     cfg, _, _ = _sim_run(tmp_path, window=8, steps=10)
     queues = {"tuned-1": {"min_ready": 4, "max_depth": 12}, "baseline": {"min_ready": 2, "max_depth": 4}}
     preds = {n: predict({"queue": q}, cfg, 20, tmp_path / n, blocks=[(0, 20)], kept=[0]) for n, q in queues.items()}
     a = preds["tuned-1"]
+    assert a["seeds"] == list(prediction_seeds(cfg, FIRST_BLOCK_SEEDS))[:len(a["seeds"])] and len(a["seeds"]) == 8
     assert STEADY_BLOCKS >= 2 and len(a["steady"]["mix_efficiency"]["per_seed"]) == len(a["seeds"])
     assert a["steady"]["mix_efficiency"]["per_seed"] != a["mix_efficiency"]["per_seed"]  # another span
     configs = [{"name": n, "kept_blocks": [0], "predicted": p} for n, p in preds.items()]
