@@ -38,9 +38,7 @@ from tuning.validation.decision import (
     flip,
 )
 
-VERDICT_WORDS = {"better": "recommendation better", "worse": "recommendation worse",
-                 "equivalent": "equivalent within the margin",
-                 "unresolved": "not resolved"}
+VERDICT_WORDS = {"better": "better", "worse": "worse", "equivalent": "equivalent", "unresolved": "open"}
 
 
 def decision_of(data: Mapping[str, Any]) -> Decision | None:
@@ -203,7 +201,8 @@ def decision_table(data: Mapping[str, Any], d: Decision) -> Table:
         f"in advance from benchmarks/fidelity.py), with its {level} interval (the 95% level split over the looks,",
         "comparisons and objectives). gap z: (simulated − measured) over its standard error; beyond",
         f"±{d.policy.z_refute:g} the simulator is refuted and the hardware decides alone. power: the hardware",
-        "alone, at the simulator's predicted difference. Peak queue memory:",
+        "alone, at the simulator's predicted difference. verdict: the recommendation's, against the margin",
+        "(equivalent: the interval inside ±margin; open: neither resolved nor equivalent). Peak queue memory:",
         ", ".join(f"{n} {m}" for n, m in mem.items()) + "."))
     return Table(pd.DataFrame(rows), caption)
 
