@@ -64,7 +64,8 @@ def repredict(name: str, out: Path) -> dict:
     validated configs again; the real runs are reused. The earlier files are kept as ``*.v1.json``."""
     from dflash.core.config import load_config
     from simulator.calibration import apply_calibration, calibrate, write_calibration
-    from tuning.validate import predict, rel_errors, within_goals
+    from tuning.validation.metrics import rel_errors, within_goals
+    from tuning.validation.predict import predict
 
     profile, _ = PROFILES[name]
     d = out / name
@@ -93,7 +94,7 @@ def utilization(out: Path, shape: str, steps: int) -> str:
     from dflash.core.config import load_config, with_overrides
     from dflash.pipeline.trainer import train
     from simulator.calibration import apply_calibration, calibrate, write_calibration
-    from tuning.validate import predict
+    from tuning.validation.predict import predict
 
     n_t, n_d = (int(x) for x in shape.split("+"))
     base = with_overrides(load_config(PROFILES["target-bound"][0]), {

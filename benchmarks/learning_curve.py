@@ -80,18 +80,14 @@ def evaluate(out: Path, prompts: int) -> dict:
 
     from dflash.cli.runs import load_run_config
     from dflash.core.records import read_records
-    from dflash.core.sampler import sampler_for
-    from dflash.data.lengths import cached_lengths
+    from dflash.data.trained import trained_conversation_ids
     from dflash.model.acceptance import evaluate_acceptance, heldout_prompts
     from dflash.model.drafter import DFlashDrafter
     from dflash.model.target import load_target
 
     run_dir = out / "run"
     cfg = load_run_config(run_dir)
-    table = cached_lengths(cfg.workload, model=cfg.target.model, progress=False)
-    sampler = sampler_for(cfg, table.lengths, table.prompt_lengths)
-    taken = [i for r in read_records(run_dir, "take") for i in r["item_ids"]]
-    used = {table.ids[k] for k in sampler.sequences_of(taken)}
+    used = trained_conversation_ids(run_dir, cfg)
     target = load_target(cfg.target.model, device="cpu")
     held = heldout_prompts(target.tokenizer, prompts, seed=cfg.seed + 1, sample=cfg.workload.sample,
                            skip_ids=used, dataset=cfg.workload.dataset)

@@ -19,6 +19,7 @@ import pandas as pd
 
 from dflash.core.config import DflashConfig
 from dflash.model.export_serving import export_command, serving_commands, serving_target
+from reports.answer import answer_blocks, decision_of
 from reports.document import Bullets, Code, Missing, Section, Table, Text
 from reports.fmt import NA, fmt_bytes, fmt_ci, fmt_metric, fmt_pm, num, queue_text
 from reports.inputs import Inputs
@@ -39,6 +40,9 @@ class View:
 
 def chosen_name(inputs: Inputs) -> str | None:
     val = inputs.validation
+    decision = decision_of(val.data) if val is not None else None
+    if decision is not None and decision.chosen:
+        return decision.chosen
     if val is not None and isinstance(val.data.get("chosen"), str):
         return val.data["chosen"]
     if inputs.sweep is not None:
@@ -142,21 +146,28 @@ def section(inputs: Inputs) -> Section:
         sec.blocks.append(Missing("needs a validation directory (validation.json with 'chosen') or a sweep output "
                                   "(selection.json with a tuned configuration)"))
         return sec
-    by = "dflash validate from real runs" if inputs.validation is not None and \
-        inputs.validation.data.get("chosen") == name else "the sweep's selection rule on simulated runs"
-    sec.blocks.append(Text(f"Run {name}: {queue_text(queue_of(inputs, name))}, chosen by {by}.", strong=True))
-    sec.blocks.extend(evidence_blocks(inputs))
-    measured = {n: measured_view(inputs, n) for n in (name, *REFERENCES)}
-    predicted = {n: predicted_view(inputs, n) for n in (name, *REFERENCES)}
-    use_measured = all(v is not None and v.mean.get(TPUT) is not None for v in measured.values())
+    answer = answer_blocks(inputs.validation.data) if inputs.validation is not None else []
+    if answer:  # the validation decided (or said it could not): its two sentences and its table come first
+        sec.blocks.extend(answer)
+    else:
+        by = "dflash validate from real runs" if inputs.validation is not None and \
+            inputs.validation.data.get("chosen") == name else "the sweep's selection rule on simulated runs"
+        sec.blocks.append(Text(f"Run {name}: {queue_text(queue_of(inputs, name))}, chosen by {by}.", strong=True))
+        sec.blocks.extend(evidence_blocks(inputs))
+    names = shown_names(inputs, name)
+    measured = {n: measured_view(inputs, n) for n in names}
+    predicted = {n: predicted_view(inputs, n) for n in names}
+    use_measured = all(measured.get(n) is not None and measured[n].mean.get(TPUT) is not None
+                       for n in (name, *REFERENCES))
     views = measured if use_measured else predicted
     basis = "measured on the real trainer" if use_measured else "predicted by the simulator"
     ch = views[name]
-    whys = [tradeoff(ch, views[r]) for r in REFERENCES if r != name and ch is not None and views[r] is not None]
-    if whys:
+    whys = [tradeoff(ch, views[r]) for r in REFERENCES if r != name and ch is not None and views.get(r) is not None]
+    # With a decision its table says why, with intervals; the standard-error rule would be a second verdict.
+    if whys and not answer:
         sec.blocks.append(Text(f"Why ({basis}):"))
         sec.blocks.append(Bullets(tuple(w[0].upper() + w[1:] + "." for w in whys)))
-    else:
+    elif not answer:
         sec.blocks.append(Missing(f"the trade-off against baseline and handpicked ({basis}): their numbers are not "
                                   "in the inputs"))
     if inputs.sweep is not None and inputs.sweep.selection.get("rule"):
@@ -174,9 +185,17 @@ def section(inputs: Inputs) -> Section:
     return sec
 
 
+def shown_names(inputs: Inputs, name: str) -> list[str]:
+    """The recommendation, then every configuration the validation measured (the tuned ones included:
+    hiding the one that measured best would hide the evidence), then the references."""
+    val = inputs.validation
+    validated = [c.name for c in val.configs] if val is not None else []
+    return list(dict.fromkeys((name, *validated, *REFERENCES)))
+
+
 def evidence_blocks(inputs: Inputs) -> list[Text | Bullets]:
     """What the sequential validation resolved: the recommendation in its own words (which carry the
-    takes that would settle the rest: one figure, computed once in :func:`tuning.evidence.recommend`,
+    takes that would settle the rest: one figure, computed once in :func:`tuning.validation.evidence.recommend`,
     the same words the CLI prints), and every comparison of the tested configuration with its 95%
     interval.
 
@@ -244,8 +263,10 @@ def summary_table(name: str, measured: dict[str, View | None], predicted: dict[s
     """The chosen configuration and the references side by side; held-out tau and loss (validation.json's
     ``heldout``, at the step they were compared) where the validation scored them."""
     rows = []
-    for n in dict.fromkeys((name, *REFERENCES)):
+    for n in dict.fromkeys((name, *measured, *predicted)):
         m, p = measured.get(n), predicted.get(n)
+        if m is None and p is None:
+            continue
         q = (m or p).queue if (m or p) is not None else None
         rows.append({
             "config": n + (" (chosen)" if n == name else ""), "queue": queue_text(q),

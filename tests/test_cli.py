@@ -46,6 +46,10 @@ CONFIGS = {
     "bad_type.toml": "[cluster]\nn_target = \"four\"\n",
     "bad_link.toml": "[cluster]\nnetwork_link = \"nic800\"\n",
     "bad_rate.toml": "[timing]\ntransfer_inter_s_per_byte = -1e-9\n",
+
+    "bad_margin.toml": "[decision]\nmargin_mix_efficiency = 0\n",
+    "bad_level.toml": "[decision]\nlevel = 1.0\n",
+    "bad_refute.toml": "[decision]\nz_refute = -1\n",
 }
 
 # (extra args, names the error line must contain)
@@ -124,6 +128,9 @@ VERB_CASES = {
     ],
     "validate": [
         (["--takes", "0"], ["--takes"]),
+        (["--config", "bad_margin.toml"], ["decision.margin_mix_efficiency", "> 0"]),
+        (["--config", "bad_level.toml"], ["decision.level", "< 1"]),
+        (["--config", "bad_refute.toml"], ["decision.z_refute", "> 0"]),
         (["--top-k", "0"], ["sweep.top_k", "--top-k"]),
         (["--study", "s"], ["--selection", "--study"]),
         (["--calibration", "missing.json"], ["--calibration"]),
@@ -305,6 +312,14 @@ def test_demo_runs_the_whole_story_on_the_cpu_profile(tmp_path, capsys):
     assert sorted(r["name"] for r in payload["configs"]) == ["baseline", "handpicked", "tuned-1"]
     assert (out / "report" / "report.html").is_file() and (out / "report" / "report.md").is_file()
     assert f"dflash train --config {out / 'validation' / 'best.toml'}" in said
+    # issue #32: the last two lines answer the question, in the words of the report's first section
+    from reports.answer import answer_of
+
+    first, second = answer_of(payload)
+    assert said.rstrip().splitlines()[-2:] == [first, second]
+    md = (out / "report" / "report.md").read_text()
+    assert md[md.index("## Recommendation"):].split("\n\n")[1:3] == [f"**{first}**", second]
+    assert "stages (wall, CPU of this process and its finished children): lengths " in said
 
 
 @pytest.mark.slow

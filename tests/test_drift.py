@@ -13,8 +13,9 @@ from dflash.core.records import read_records
 from simulator.calibration import apply_calibration, calibrate, write_calibration
 from simulator.run import simulate
 from simulator.workload import make_sampler
-from tuning.drift import effect, own_calibration, stage_drift, timing_of
-from tuning.validate import predict, rel_errors
+from tuning.validation.drift import effect, own_calibration, stage_drift, timing_of
+from tuning.validation.metrics import rel_errors
+from tuning.validation.predict import predict
 
 TERMS = {"target_fixed_s": 0.05, "target_per_token_s": 2.0e-3, "target_per_token2_s": 0.0,
          "drafter_fixed_s": 0.02, "drafter_per_token_s": 1.0e-4, "drafter_per_anchor_s": 5.0e-3}

@@ -1,4 +1,4 @@
-"""Validation decides by evidence (tuning/evidence.py): intervals, looks, the recommendation."""
+"""Validation decides by evidence (tuning/validation/evidence.py): intervals, looks, the recommendation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 from scipy import stats
 
-from tuning.evidence import (
+from tuning.validation.evidence import (
     Comparison,
     chosen_comparisons,
     compare,

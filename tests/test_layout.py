@@ -35,6 +35,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("dflash.model",),
     ("dflash.pipeline", "dflash.regenerate", "simulator"),
     ("tuning", "dflash.gpucheck"),  # gpucheck drives the verbs in subprocesses; it reads only lower floors
+    ("tuning.validation",),  # the one part of tuning that runs the trainer and loads the model
     ("reports",),
     ("dflash.cli",),
     ("dflash.__main__",),  # ``python -m dflash``: the command's one caller
@@ -118,9 +119,10 @@ def all_arrows() -> list[Arrow]:
 
 # --------------------------------------------------------------------------- the scan, tested first
 def test_the_scan_reports_an_upward_import_inside_a_function_with_file_and_line() -> None:
-    source = "import json\n\n\ndef f():\n    if True:\n        from tuning.validate import run\n    return run\n"
+    source = "import json\n\n\ndef f():\n    if True:\n        from tuning.validation.job import run\n    return run\n"
     found = [a for a in imports_in(source, "dflash.model.target", "dflash/model/target.py") if upward(a)]
-    assert [str(a) for a in found] == ["dflash/model/target.py:6: dflash.model.target imports tuning.validate"]
+    assert [str(a) for a in found] == [
+        "dflash/model/target.py:6: dflash.model.target imports tuning.validation.job"]
 
 
 def test_the_scan_resolves_relative_imports_and_sees_sideways_arrows() -> None:
@@ -131,6 +133,8 @@ def test_the_scan_resolves_relative_imports_and_sees_sideways_arrows() -> None:
     sideways = Arrow("simulator/engine.py", 1, "simulator.engine", "dflash.pipeline.launch")
     assert upward(sideways)  # parts on one floor do not lean on each other
     assert not upward(Arrow("tuning/x.py", 1, "tuning.x", "dflash.pipeline.launch"))  # downward is fine
+    assert part_of("tuning.validation.job") == "tuning.validation" and part_of("tuning.sweep") == "tuning"
+    assert upward(Arrow("tuning/sweep.py", 1, "tuning.sweep", "tuning.validation.evidence"))  # its own floor
 
 
 # --------------------------------------------------------------------------- the tree
@@ -140,6 +144,14 @@ def test_every_arrow_in_the_tree_points_down() -> None:
     bad = [a for a in arrows if upward(a) and (a.path, a.imported) not in ALLOWED_UPWARD]
     assert bad == [], "imports that run up the layering (docs/ARCHITECTURE.md, Layering):\n" + \
         "\n".join(map(str, bad))
+
+
+def test_only_validation_reaches_into_the_pipeline_and_the_model() -> None:
+    """``tuning.validation`` runs the real trainer and loads the model; the rest of ``tuning`` (the
+    search, the selection) works on the simulator alone and must not start leaning on them."""
+    bad = [a for a in all_arrows() if part_of(a.importer) == "tuning"
+           and part_of(a.imported) in ("dflash.pipeline", "dflash.model")]
+    assert bad == [], "\n".join(map(str, bad))
 
 
 def test_the_allow_list_holds_only_arrows_that_still_exist() -> None:
@@ -267,7 +279,9 @@ def test_simulate_and_sweep_run_without_torch() -> None:
 
 OLD_NAMES = [f"dflash.{m}" for m in (
     "config", "policies", "queue_core", "sampler", "mixmetrics", "runmetrics", "records", "errors", "atomic",
-    "lengths", "target", "drafter", "acceptance", "trainer", "checkpoint", "telemetry", "hsqueue")]
+    "lengths", "target", "drafter", "acceptance", "trainer", "checkpoint", "telemetry", "hsqueue")] + [
+    f"tuning.{m}" for m in ("validate", "claims", "drift", "quality", "evidence")] + [  # now in tuning.validation
+    "dflash.pipeline.quality"]  # now dflash.pipeline.heldout
 
 
 def test_the_old_flat_module_names_stay_gone() -> None:

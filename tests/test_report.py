@@ -10,23 +10,26 @@ with the report's documented rounding, and the HTML is loaded in Debian's headle
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from dflash.cli import main
 from dflash.core.config import load_config, with_overrides
 from dflash.core.records import read_records
-from reports.fmt import fmt_metric, fmt_pm, fmt_rel, parse_md_table
+from reports.fmt import fmt_metric, fmt_pm, fmt_rel, parse_md_table, queue_text
 from simulator.run import simulate
 from simulator.workload import make_sampler
 from tests.test_resume_and_control import run_inputs, write_cfg  # noqa: F401 - the fixture
-from tuning.evidence import recommend
 from tuning.sweep import SweepArgs, run_sweep
-from tuning.validate import COMPARED, GOALS, format_validation, rel_errors, within_goals
+from tuning.validation.evidence import recommend
+from tuning.validation.metrics import COMPARED, GOALS, rel_errors, within_goals
+from tuning.validation.summary import format_validation
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 SWEEP_TOML = """
@@ -107,7 +110,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                               ("handpicked", "mix_efficiency", 0.01, [-0.02, 0.04]),
                                               ("baseline", "throughput_tokens_per_s", 5.0, [-30.0, 40.0]),
                                               ("baseline", "mix_efficiency", -0.01, [-0.05, 0.03]))]
-    # The recommendation through the real decision code (tuning.evidence), from per-block values whose
+    # The recommendation through the real decision code (tuning.validation.evidence), from per-block values whose
     # differences are open: its words carry the "more takes" figure the CLI and the report both print.
     blocks = {"baseline": {"throughput_tokens_per_s": [1000.0, 1040.0, 990.0, 1030.0],
                            "mix_efficiency": [0.95, 0.97, 0.96, 0.94]},
@@ -130,6 +133,105 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "demo": demo_dir, "out": out, "md": (out / "report.md").read_text(),
             "html": (out / "report.html").read_text(), "validation": validation, "selection": selection,
             "sweep": res, "cal": cal}
+
+
+def bucket_use_of(run_dir: Path) -> dict[str, Any]:
+    """The one-bucket pathology in a run's take records: longest run of takes from one bucket, and the
+    share of takes from the most-taken bucket (what validation.json's ``pathology`` records)."""
+    buckets = [int(r["bucket"]) for r in read_records(run_dir, "take")]
+    longest = run = 1
+    for a, b in itertools.pairwise(buckets):
+        run = run + 1 if a == b else 1
+        longest = max(longest, run)
+    top = max(set(buckets), key=buckets.count)
+    return {"longest_streak": longest, "streak_takes": len(buckets), "top_share": buckets.count(top) / len(buckets),
+            "top_bucket": f"#{top}"}
+
+
+@pytest.fixture(scope="module")
+def decided(demo: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The demo's directory with a validation that decided (issue #32): validation.json's ``decision`` from
+    the real decision code (tuning.validation.decision) on real simulator numbers (three prediction seeds per
+    configuration, paired by seed; the "hardware" is each configuration's seed-100 run, one paired round)
+    and its ``pathology`` from the runs' take records; and its report."""
+    import shutil
+
+    from tuning.validation.decision import DecisionPolicy, decide, pair_evidence
+
+    root = tmp_path_factory.mktemp("decided")
+    demo_dir = root / "dflash-demo"
+    shutil.copytree(demo["demo"], demo_dir)
+    val = json.loads(json.dumps(demo["validation"]))
+    cfg = load_config(demo["root"] / "sweep.toml")
+    objectives = ("throughput_tokens_per_s", "mix_efficiency")
+    sims: dict[str, dict[str, list[float]]] = {}
+    for c in val["configs"]:
+        qcfg = with_overrides(cfg, {f"queue.{k}": v for k, v in c["queue"].items()})
+        runs = [simulate(with_overrides(qcfg, {"seed": 1 + s}), make_sampler(qcfg.workload, seed=1 + s),
+                         sim_seconds=300).metrics for s in range(3)]
+        sims[c["name"]] = {o: [float(m[o]) for m in runs] for o in objectives}
+    hw = {c["name"]: c["measured"] for c in val["configs"]}
+    names = [c["name"] for c in val["configs"]]
+    evidence = [pair_evidence(a, b, o, sim_candidate=sims[a][o], sim_reference=sims[b][o], hw_candidate=[hw[a][o]],
+                              hw_reference=[hw[b][o]],
+                              model_block_sd=float(np.std(sims[a][o] + sims[b][o], ddof=1)) or None)
+                for i, a in enumerate(names) for b in names[i + 1:] for o in objectives]
+    policy = DecisionPolicy(margins={"throughput_tokens_per_s": 0.03, "mix_efficiency": 0.03}, objectives=objectives)
+    decision = decide(evidence, {c["name"]: c["measured"]["peak_queue_bytes"] for c in val["configs"]}, policy)
+    val["decision"] = decision.as_json()
+    val["pathology"] = {n: bucket_use_of(demo_dir / "validate" / "runs" / n) for n in names}
+    val["block_takes"], val["block_reason"], val["rounds"] = 64, "one mega_batch of the length-grouped order", 1
+    val["chosen"], val["command"] = decision.chosen, f"dflash train --config {demo_dir / 'validate' / 'best.toml'}"
+    (demo_dir / "validate" / "validation.json").write_text(json.dumps(val))
+    out = root / "out"
+    assert main(["report", str(demo_dir), "--out", str(out)]) == 0
+    return {"decision": decision, "validation": val, "out": out, "md": (out / "report.md").read_text()}
+
+
+def test_the_first_section_answers_in_the_decisions_two_sentences_and_lists_every_validated_config(
+        decided: dict) -> None:
+    """Issue #32 item 5: the report's first words are the two sentences answer_sentences writes from the
+    recorded decision (the CLI prints the same), then one table with every validated configuration (the
+    tuned one included), each row's differences against the recommendation equal to the decision's."""
+    from reports.answer import answer_of
+    from tuning.validation.decision import BucketUse, Pathology, answer_sentences, decide_from_json
+
+    d, val, md = decided["decision"], decided["validation"], decided["md"]
+    rebuilt = decide_from_json(val["decision"])
+    assert (rebuilt.outcome, rebuilt.chosen) == (d.outcome, d.chosen)
+    path = Pathology(BucketUse(**val["pathology"]["baseline"]), BucketUse(**val["pathology"][d.chosen]))
+    first, second = answer_sentences(d, path, {c["name"]: queue_text(c["queue"]) for c in val["configs"]})
+    assert answer_of(val) == (first, second)
+    rec = section(md, "Recommendation")
+    assert md.index("## Recommendation") < md.index("\n## ", md.index("## Recommendation") + 3)
+    body = rec.split("\n\n")
+    assert body[1] == f"**{first}**" and body[2] == second  # first thing under the heading
+    assert d.chosen in first and ("decided", "equivalent", "undecided").count(d.outcome) == 1
+    rows = parse_md_table(rec[rec.index("| config | queue | objective"):])
+    named = [r["config"] for r in rows]
+    for i, r in enumerate(rows):  # a configuration is named on its first row (one row per objective)
+        r["config"] = (r["config"] or rows[i - 1]["config"]).removesuffix(" (recommended)")
+    assert named[0] == f"{d.chosen} (recommended)" and rows[1]["config"] == d.chosen
+    assert {r["config"] for r in rows} == {c["name"] for c in val["configs"]} and len(rows) == 2 * len(val["configs"])
+    assert all(r["Δ decided [interval]"] == "—" for r in rows[:2])
+    for c in d.comparisons:
+        if d.chosen not in (c.candidate, c.reference):
+            continue
+        other = c.reference if c.candidate == d.chosen else c.candidate
+        sign = 1 if c.candidate == d.chosen else -1
+        row = next(r for r in rows if r["config"] == other and r["objective"] == c.objective.replace(
+            "throughput_tokens_per_s", "throughput"))
+        if c.objective == "mix_efficiency":
+            lo, hi = sorted((sign * c.interval[0], sign * c.interval[1]))
+            assert row["Δ decided [interval]"] == f"{sign * c.difference:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            assert row["margin"] == f"±{c.margin:.3f}" and row["τ"] == f"{c.tau:.3f}"
+        assert row["gap z"].split()[0] == f"{sign * c.gap_z:+.1f}"
+        assert row["power"] == ("n/a" if c.power is None else f"{c.power:.0%}")
+    for n, u in val["pathology"].items():
+        label = n + (" (recommended)" if n == d.chosen else "")
+        assert f"- {label}: longest run of takes from one bucket {u['longest_streak']} of {u['streak_takes']}" in rec
+    assert f"Outcome: {d.outcome} ({d.note})." in rec and "Blocks of 64 takes" in rec
+    assert "Why (measured" not in rec  # one verdict: the decision's, not also the standard-error rule's
 
 
 def test_the_recommendation_comes_first_and_names_the_choice_and_its_command(demo: dict) -> None:
@@ -228,7 +330,7 @@ def test_html_is_self_contained(demo: dict) -> None:
 @pytest.mark.skipif(not CHROMIUM.exists() or not CHROMEDRIVER.exists(),
                     reason="Debian's chromium and chromium-driver are not installed (/usr/bin/chromium, "
                            "/usr/bin/chromedriver; scripts/install_chromium.sh installs them)")
-def test_report_renders_in_headless_chromium_with_no_errors(demo: dict, tmp_path: Path) -> None:
+def test_report_renders_in_headless_chromium_with_no_errors(demo: dict, decided: dict, tmp_path: Path) -> None:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -264,6 +366,15 @@ def test_report_renders_in_headless_chromium_with_no_errors(demo: dict, tmp_path
             assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
             view = driver.execute_script("return window.innerWidth")
             assert all(right <= view + 1 for _, _, right, _ in boxes), (width, boxes)
+        # A decided validation (issue #32): at 1280 px the answer is the first thing under the heading, the
+        # decision table shows every validated configuration without the page scrolling sideways.
+        driver.set_window_size(1280, 1000)
+        driver.get((decided["out"] / "report.html").resolve().as_uri())
+        first = driver.find_element("css selector", "#recommendation p").text
+        assert first.startswith(("Use ", "Undecided")) and decided["decision"].chosen in first
+        table = driver.find_element("css selector", "#recommendation table").text
+        assert all(c["name"] in table for c in decided["validation"]["configs"])
+        assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
     finally:
         driver.quit()
 
@@ -367,7 +478,7 @@ def test_a_real_trainer_run_gives_loss_curves_and_its_measured_numbers(tmp_path:
 
 def test_the_cli_summary_and_the_report_print_the_same_recommendation_and_figures(demo: dict) -> None:
     """One home per figure (issue #29): the "more takes" estimate and the recommendation's words are
-    computed once (tuning.evidence.recommend) and the CLI summary and report.md both print them; the
+    computed once (tuning.validation.evidence.recommend) and the CLI summary and report.md both print them; the
     comparisons' differences and intervals come from validation.json in both."""
     val = demo["validation"]
     cli = format_validation(val)

@@ -18,15 +18,15 @@ from dflash.cli import main
 from dflash.core.config import config_from_dict, load_config, with_overrides
 from dflash.core.records import read_records
 from dflash.data.dataset_choice import pin_dataset
-from tuning.claims import ClaimStore
-from tuning.validate import within_goals
+from tuning.validation.claims import ClaimStore
+from tuning.validation.metrics import within_goals
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = [f"cfg-{k}" for k in range(12)]
 
 WORKER = textwrap.dedent("""
     import sys, time
-    from tuning.claims import ClaimStore
+    from tuning.validation.claims import ClaimStore
     url, ns, tag = sys.argv[1], sys.argv[2], sys.argv[3]
     store = ClaimStore(url, ns)
     store.register({names!r})
@@ -93,6 +93,7 @@ def test_goals_follow_the_issue(pred: dict, meas: dict, se: float, ok: dict) -> 
 @pytest.mark.parametrize("argv, names", [
     (["--selection", "sel.json"], ["--selection", "configs"]),
     (["--selection", "good.json", "--takes", "0"], ["--takes"]),
+    (["--selection", "good.json", "--block-takes", "0"], ["--block-takes"]),  # a block shorter than one take
     (["--selection", "good.json", "--storage", "redis://x"], ["--storage"]),
     (["--selection", "good.json", "--calibration", "nope.json"], ["--calibration"]),
 ])
@@ -108,8 +109,13 @@ def test_bad_validate_input_is_one_line(tmp_path: Path, monkeypatch, capsys, arg
 
 @pytest.mark.slow
 def test_validate_runs_the_selection_on_the_real_trainer_and_writes_best_toml(tmp_path: Path, capsys) -> None:
-    """SmolLM2 on the CPU, two tiny configs, 12 takes each: every field the report reads is there."""
-    profile = ROOT / "examples" / "cpu-smollm2.toml"
+    """SmolLM2 on the CPU, two tiny configs, 12 takes each: every field the report reads is there.
+    The profile's metrics window is 4 here, so a block of 6 takes holds a window (the window is never
+    shrunk to the block: blocks and predictions use the configured one)."""
+    text = (ROOT / "examples" / "cpu-smollm2.toml").read_text()
+    assert "window = 32" in text
+    profile = tmp_path / "cpu-smollm2-w4.toml"
+    profile.write_text(text.replace("window = 32", "window = 4"))
     sel = tmp_path / "sel.json"
     sel.write_text(json.dumps({"configs": [
         {"name": "baseline", "queue": {"min_ready": 4, "max_depth": 12, "policy": "random_item"}},
@@ -129,10 +135,32 @@ def test_validate_runs_the_selection_on_the_real_trainer_and_writes_best_toml(tm
     for c in payload["comparisons"]:
         lo, hi = c["ci95"]
         assert c["config"] == "tuned-1" and c["resolved"] == (not lo <= 0 <= hi) and lo <= c["difference"] <= hi
-    assert payload["recommendation"]["name"] == payload["chosen"] in payload["recommendation"]["candidates"]
+    # The decision (simulator and hardware together) picks; validation.json carries its inputs.
+    from reports.answer import answer_of
+    from tuning.evaluate import sweep_seeds
+    from tuning.validation.decision import decide_from_json
+
+    d = decide_from_json(payload["decision"])
+    assert d.chosen == payload["chosen"] == payload["decision"]["chosen"]
+    assert d.outcome == payload["decision"]["outcome"]
+    assert {(c["candidate"], c["reference"]) for c in payload["decision"]["comparisons"]} == {("baseline", "tuned-1")}
+    assert {c["objective"] for c in payload["decision"]["comparisons"]} == {"throughput_tokens_per_s", "mix_efficiency"}
+    assert all(e["hw_rounds"] == 1 for e in payload["decision"]["inputs"]["evidence"])  # block 0 dropped: 1 round
+    assert payload["block_takes"] == 6 and payload["block_reason"].startswith("given (--block-takes 6)")
+    assert payload["window"] == 4 and all(r["mix_window"] == 4 for r in payload["block_rows"])
+    assert not set(payload["prediction_seeds"]) & set(payload["sweep_seeds"])
+    assert set(payload["pathology"]) == {"baseline", "tuned-1"}
+    assert all(0 < u["top_share"] <= 1 and 1 <= u["longest_streak"] <= u["streak_takes"] == 12
+               for u in payload["pathology"].values())
+    cli_lines = capsys.readouterr().out.strip().splitlines()
+    assert cli_lines[-2:] == list(answer_of(payload))  # the answer is the last two lines
+    assert payload["sweep_seeds"] == list(sweep_seeds(load_config(profile)))
     for r in payload["configs"]:
-        assert r["steps"] == 12 and r["blocks"] == 2 and r["measured"]["tau"] >= 1.0
+        assert r["steps"] == 12 and r["blocks"] == 2 and r["measured"]["tau"] >= 1.0 and r["kept_blocks"] == [1]
         assert r["predicted"]["throughput_tokens_per_s"]["mean"] > 0
+        assert r["predicted"]["seeds"] == payload["prediction_seeds"]
+        kept = [b for b in payload["block_rows"] if b["name"] == r["name"] and b["block"] == 1]
+        assert r["measured"]["mix_efficiency"] == pytest.approx(kept[0]["mix_efficiency"])  # block 0 dropped
         # 12 takes are too few to calibrate a run alone (calibrate wants >= 20 items): drift says why
         assert isinstance(r["drift"], float) or (r["drift"] is None and r["drift_detail"]["why_missing"])
         assert "throughput_error_drift_corrected" in r
@@ -145,7 +173,7 @@ def test_validate_runs_the_selection_on_the_real_trainer_and_writes_best_toml(tm
     validated = pin_dataset(load_config(profile), say=lambda _line: None)
     assert best.workload.dataset_fingerprint == validated.workload.dataset_fingerprint is not None
     assert best == with_overrides(validated, {f"queue.{k}": v for k, v in chosen["queue"].items()})
-    assert f"dflash train --config {out / 'best.toml'}" in capsys.readouterr().out
+    assert f"dflash train --config {out / 'best.toml'}" in "\n".join(cli_lines)
     # The same job again: every config is done, nothing runs twice, the summary is the same.
     mtimes = {p: p.stat().st_mtime for p in (out / "runs").rglob("metrics.json")}
     assert main(argv) == 0

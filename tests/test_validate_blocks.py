@@ -8,20 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from dflash.core.config import DflashConfig
-from tuning.validate import (
+from dflash.core.config import DflashConfig, with_overrides
+from tuning.validation.metrics import block_table
+from tuning.validation.plan import (
     ValidateArgs,
-    _evidence,
     block_steps,
-    block_table,
-    choose_tuned,
     max_looks,
     split_unit,
-    stop_reason,
     unit_name,
     unit_order,
     unit_ready,
 )
+from tuning.validation.recommendation import choose_tuned, evidence_of, stop_reason
 
 
 def _args(takes: int, block_takes: int) -> ValidateArgs:
@@ -71,7 +69,7 @@ def test_a_costlier_config_is_not_recommended_on_unresolved_evidence() -> None:
         "baseline": ([100, 130, 90, 120], [0.80, 0.82, 0.79, 0.81], 1e6),
         "handpicked": ([95, 125, 100, 110], [0.80, 0.81, 0.80, 0.82], 2e6),
         "tuned-1": ([110, 140, 85, 135], [0.81, 0.80, 0.82, 0.80], 4e6)}))
-    chosen, comps, rec = _evidence(blocks, looks=4, block_takes=10)
+    chosen, comps, rec = evidence_of(blocks, looks=4, block_takes=10)
     assert chosen == "tuned-1"
     assert {(c.against, c.objective) for c in comps} == {
         (r, o) for r in ("baseline", "handpicked") for o in ("throughput_tokens_per_s", "mix_efficiency")}
@@ -87,7 +85,7 @@ def test_a_clearly_better_config_is_recommended_and_resolved() -> None:
         "baseline": ([100, 101, 99, 100], [0.50, 0.51, 0.50, 0.49], 1e6),
         "handpicked": ([120, 121, 119, 120], [0.60, 0.61, 0.60, 0.59], 1e6),
         "tuned-1": ([200, 201, 199, 200], [0.90, 0.91, 0.90, 0.89], 3e6)}))
-    chosen, comps, rec = _evidence(blocks, looks=4, block_takes=10)
+    chosen, comps, rec = evidence_of(blocks, looks=4, block_takes=10)
     assert chosen == "tuned-1" and comps and all(c.resolved and c.difference > 0 for c in comps)
     assert rec is not None and rec.name == "tuned-1" and tuple(rec.candidates) == ("tuned-1",)
 
@@ -103,7 +101,7 @@ def test_blocks_too_short_for_a_mix_are_decided_on_throughput_alone() -> None:
     rows = [{**r, "mix_efficiency": None} for r in _rows({
         "baseline": ([100, 101, 99, 100], [0, 0, 0, 0], 1e6),
         "tuned-1": ([200, 201, 199, 200], [0, 0, 0, 0], 3e6)})]
-    chosen, comps, rec = _evidence(block_table(rows), looks=4, block_takes=10)
+    chosen, comps, rec = evidence_of(block_table(rows), looks=4, block_takes=10)
     assert chosen == "tuned-1"
     assert [(c.against, c.objective, c.resolved) for c in comps] == [("baseline", "throughput_tokens_per_s", True)]
     assert rec is not None and rec.name == "tuned-1" and "on throughput" in rec.words
@@ -113,7 +111,7 @@ def test_a_config_without_throughput_blocks_is_left_out_of_the_decision() -> Non
     rows = _rows({"baseline": ([100, 101], [0.5, 0.5], 1e6), "tuned-1": ([150, 151], [0.6, 0.6], 2e6)})
     rows.append({"name": "tuned-2", "block": 0, "throughput_tokens_per_s": None, "mix_efficiency": None,
                  "peak_queue_bytes": 1.0})
-    chosen, comps, rec = _evidence(block_table(rows), looks=2, block_takes=10)
+    chosen, comps, rec = evidence_of(block_table(rows), looks=2, block_takes=10)
     assert chosen == "tuned-1" and {c.objective for c in comps} == {"throughput_tokens_per_s", "mix_efficiency"}
     assert rec is not None and "tuned-2" not in rec.candidates
 
@@ -126,8 +124,140 @@ def test_a_config_without_throughput_blocks_is_left_out_of_the_decision() -> Non
     (["done"], [], "budget"),  # nothing to compare
 ])
 def test_the_stop_reason_follows_the_evidence(statuses: list, resolved: list, reason: str) -> None:
-    from tuning.evidence import Comparison
+    from tuning.validation.evidence import Comparison
 
     comps = [Comparison("t", "baseline", "throughput_tokens_per_s", 1.0, (0.5, 1.5) if ok else (-1.0, 2.0),
                         ok, 0.1, (2, 2)) for ok in resolved]
     assert stop_reason([{"status": s} for s in statuses], comps) == reason
+
+
+# --------------------------------------------------------------------------- like with like (issue #32 item 1)
+def _sim_run(tmp_path: Path, window: int, steps: int = 60):
+    from simulator.run import simulate
+    from simulator.workload import make_sampler
+    from tests.test_drift import machine
+
+    cfg = with_overrides(machine(1.0), {"metrics.window": window, "seed": 5})
+    sampler = make_sampler(cfg.workload, seed=cfg.seed, block_size=cfg.drafter.block_size)
+    res = simulate(cfg, sampler, sim_seconds=1e9, max_steps=steps, records_dir=tmp_path / "run")
+    return cfg, sampler, res
+
+
+def test_a_hardware_block_and_a_simulated_block_are_one_computation_with_the_configured_window(tmp_path: Path) -> None:
+    """A block of 24 takes with W = 16 holds 1.5 windows: it is measured with W (one window), never with a
+    window shrunk to the block (min(W, takes // 2) = 12 made the hardware's metric another statistic than
+    the prediction's). The run-directory path (hardware) and the in-memory path (prediction) agree."""
+    from dflash.core.mixmetrics import mix_metrics
+    from tuning.validation.metrics import block_metrics, records_block_metrics
+
+    cfg, sampler, res = _sim_run(tmp_path, window=16)
+    hw = block_metrics(tmp_path / "run", cfg, 20, 44)
+    sim = records_block_metrics(res.produce, res.take, cfg, p=sampler.item_mix(), n_buckets=sampler.n_buckets,
+                                first_step=20, upto_step=44)
+    assert hw["mix_window"] == sim["mix_window"] == 16 and hw["takes"] == sim["takes"] == 24
+    assert hw == pytest.approx(sim, nan_ok=True)
+    block = sorted((t for t in res.take if 20 <= t["step"] < 44 and t["t"] >= hw["t_start"]), key=lambda t: t["t"])
+    buckets = [t["bucket"] for t in block for _ in t["item_ids"]]
+    assert hw["mix_efficiency"] == pytest.approx(mix_metrics(buckets, [1.0] * len(buckets), buckets,
+                                                             sampler.item_mix(), 16).mix_efficiency)
+    shrunk = mix_metrics(buckets, [1.0] * len(buckets), buckets, sampler.item_mix(), 12).mix_efficiency
+    assert hw["mix_efficiency"] != pytest.approx(shrunk)  # the old statistic is another number here
+
+
+@pytest.mark.parametrize("seed, per_trial", [(0, 3), (3, 64), (2**31 - 5, 2)])
+def test_prediction_seeds_are_disjoint_from_the_sweeps(seed: int, per_trial: int) -> None:
+    from tuning.evaluate import sweep_seeds
+    from tuning.validation.predict import PREDICTION_SEEDS, prediction_seeds
+
+    cfg = with_overrides(DflashConfig(), {"seed": seed, "sweep.seeds_per_trial": per_trial})
+    pred = prediction_seeds(cfg)
+    assert len(set(pred)) == PREDICTION_SEEDS and pred == prediction_seeds(cfg)  # fixed by the config
+    assert not set(pred) & set(sweep_seeds(cfg)) and not set(pred) & set(range(seed, seed + 64))
+    assert all(0 <= s < 2**31 for s in pred)
+
+
+def test_the_prediction_measures_the_hardwares_blocks_on_its_own_seeds(tmp_path: Path) -> None:
+    """predict(blocks=...) cuts each seed's simulated run into the same step ranges, keeps the same blocks,
+    and gives the block-to-block spread the decision may use as the hardware's variance."""
+    from tuning.evaluate import sweep_seeds
+    from tuning.validation.predict import paired_block_sd, predict, prediction_seeds
+
+    cfg, _, _ = _sim_run(tmp_path, window=8, steps=10)
+    spans, kept = [(0, 20), (20, 40), (40, 60)], [1, 2]
+    a = predict({"queue": {"min_ready": 4, "max_depth": 12}}, cfg, 60, tmp_path / "a", blocks=spans, kept=kept)
+    b = predict({"queue": {"min_ready": 2, "max_depth": 4}}, cfg, 60, tmp_path / "b", blocks=spans, kept=kept)
+    assert a["seeds"] == b["seeds"] == list(prediction_seeds(cfg)) and not set(a["seeds"]) & set(sweep_seeds(cfg))
+    assert a["kept_blocks"] == kept
+    m = a["mix_efficiency"]
+    assert [len(v) for v in a["blocks"]["mix_efficiency"]] == [2, 2, 2] and len(m["per_seed"]) == 3
+    assert m["mean"] == pytest.approx(sum(m["per_seed"]) / 3) and m["sd_block"] > 0
+    assert paired_block_sd(a, b, "mix_efficiency") > 0 and paired_block_sd(a, {}, "mix_efficiency") is None
+    one, flat = {"blocks": {"m": [[0.9], [0.8], [1.0]]}}, {"blocks": {"m": [[0.7], [0.7], [0.7]]}}
+    assert paired_block_sd(one, flat, "m") == pytest.approx(0.1)  # one kept block per seed: spread over seeds
+
+
+@pytest.mark.parametrize("overrides, takes, requested, block", [
+    ({}, 300, None, 64),  # length_grouped, mega_batch 64, W 32: one mega-batch holds two windows
+    ({"metrics.window": 100}, 300, None, 128),  # whole mega-batches holding one window of 100
+    ({"workload.order": "random"}, 300, None, 32),  # no phase: one window
+    ({"queue.items_per_take": 2}, 300, None, 32),  # 64 items at 2 per take
+    ({}, 40, None, 40),  # the budget is shorter than one block: one block
+    ({}, 300, 10, 10),  # given: as given, the rule's figure said
+])
+def test_the_block_length_rule(overrides: dict, takes: int, requested: int | None, block: int) -> None:
+    from tuning.validation.plan import block_rule
+
+    got, why = block_rule(with_overrides(DflashConfig(), overrides), takes, requested)
+    assert got == block and why
+    if requested is not None:
+        assert "given" in why and "64 takes" in why
+
+
+def test_the_decision_gets_every_pair_and_objective_from_validation(tmp_path: Path) -> None:
+    from tuning.validation.recommendation import decide_validation
+
+    def pred(level: float) -> dict:
+        seeds = [[level + 0.01 * s + 0.02 * k for k in range(2)] for s in range(3)]
+        return {"mix_efficiency": {"per_seed": [sum(v) / 2 for v in seeds]},
+                "throughput_tokens_per_s": {"per_seed": [1000 * level + s for s in range(3)]},
+                "blocks": {"mix_efficiency": seeds, "throughput_tokens_per_s": [[1000 * level] * 2] * 3}}
+
+    levels = {"baseline": 0.80, "tuned-1": 1.00, "handpicked": 0.95}
+    configs = [{"name": n, "kept_blocks": [1, 2], "predicted": pred(v)} for n, v in levels.items()]
+    rows = {n: [{"name": n, "block": k, "mix_efficiency": v + 0.01 * k, "throughput_tokens_per_s": 1000 * v + k}
+                for k in range(3)] for n, v in levels.items()}
+    d = decide_validation(DflashConfig().decision, 1, configs, rows, {}, {"baseline": 1e6, "tuned-1": 2e6,
+                                                                          "handpicked": 3e6})
+    assert d is not None and len(d.comparisons) == 3 * 2  # three pairs x two objectives
+    assert all(c.evidence.hw_rounds == 2 for c in d.comparisons)  # block 0 dropped, rounds paired
+    assert {c.evidence.hw_se_source for c in d.comparisons} == {"simulator's block-to-block variance"}
+    rebuilt = d.as_json()["inputs"]["evidence"]
+    assert len(rebuilt) == 6 and all(e["sim_diff"] is not None for e in rebuilt)
+
+
+def test_with_one_block_the_prediction_continues_into_the_steady_state_and_the_decision_transfers(
+        tmp_path: Path) -> None:
+    """One round: the hardware measured only the first block (the transient). The prediction of that
+    block stays like with like, and the same seeds run on for STEADY_BLOCKS more blocks (``steady``);
+    the decision gets the steady state as the prediction and the first block as the first-block one."""
+    from tuning.validation.predict import FIRST_BLOCK_SEEDS, STEADY_BLOCKS, predict, prediction_seeds
+    from tuning.validation.recommendation import decide_validation
+
+    cfg, _, _ = _sim_run(tmp_path, window=8, steps=10)
+    queues = {"tuned-1": {"min_ready": 4, "max_depth": 12}, "baseline": {"min_ready": 2, "max_depth": 4}}
+    preds = {n: predict({"queue": q}, cfg, 20, tmp_path / n, blocks=[(0, 20)], kept=[0]) for n, q in queues.items()}
+    a = preds["tuned-1"]
+    assert a["seeds"] == list(prediction_seeds(cfg, FIRST_BLOCK_SEEDS))[:len(a["seeds"])] and len(a["seeds"]) == 8
+    assert STEADY_BLOCKS >= 2 and len(a["steady"]["mix_efficiency"]["per_seed"]) == len(a["seeds"])
+    assert a["steady"]["mix_efficiency"]["per_seed"] != a["mix_efficiency"]["per_seed"]  # another span
+    configs = [{"name": n, "kept_blocks": [0], "predicted": p} for n, p in preds.items()]
+    rows = {n: [{"name": n, "block": 0, "mix_efficiency": p["mix_efficiency"]["mean"],
+                 "throughput_tokens_per_s": p["throughput_tokens_per_s"]["mean"]}] for n, p in preds.items()}
+    d = decide_validation(DflashConfig().decision, 1, configs, rows, {}, {"tuned-1": 2e6, "baseline": 1e6})
+    for c in d.comparisons:
+        o, e = c.objective, c.evidence
+        steady = [x - y for x, y in zip(preds["tuned-1"]["steady"][o]["per_seed"],
+                                        preds["baseline"]["steady"][o]["per_seed"], strict=True)]
+        first = [x - y for x, y in zip(preds["tuned-1"][o]["per_seed"], preds["baseline"][o]["per_seed"], strict=True)]
+        assert e.sim_diff == pytest.approx(sum(steady) / len(steady))
+        assert e.sim_first_diff == pytest.approx(sum(first) / len(first))

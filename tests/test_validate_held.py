@@ -18,7 +18,9 @@ import pytest
 from dflash.core.config import load_config
 from dflash.core.records import read_records
 from tests.test_resume_and_control import run_inputs, write_cfg  # noqa: F401 - the fixture
-from tuning.validate import ValidateArgs, _release, block_steps, run_block
+from tuning.validation.metrics import bucket_use
+from tuning.validation.plan import ValidateArgs, block_steps
+from tuning.validation.runner import release, run_block
 
 ENTRIES = [{"name": "a", "queue": {"min_ready": 3, "max_depth": 6, "policy": "random_item"}},
            {"name": "b", "queue": {"min_ready": 2, "max_depth": 4, "policy": "fifo"}}]
@@ -36,13 +38,13 @@ def held(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> dict:  # noqa:
         for block in range(3):
             for entry in ENTRIES:
                 rows.append(run_block(entry, block, base, args, progress=lambda _m: None))
-        _release()
+        release()
     finally:
-        from tuning.validate import _HELD
+        from tuning.validation.runner import HELD
 
-        for job in list(_HELD.values()):
+        for job in list(HELD.values()):
             job.kill()
-        _HELD.clear()
+        HELD.clear()
     return {"rows": rows, "out": args.out, "base": base, "args": args}
 
 
@@ -57,6 +59,10 @@ def test_each_configuration_trains_all_its_blocks_in_one_job_of_two_processes(he
         assert max(Counter(r["item_id"] for r in produce).values()) == 1
         assert [r["step"] for r in read_records(run, "step")] == list(range(24))
         assert json.loads((run / "held.json").read_text())["ended"] and (run / "metrics.json").is_file()
+        use = bucket_use(run, held["base"])  # the one-bucket pathology, from the takes
+        buckets = [t["bucket"] for t in sorted(takes, key=lambda t: t["t"])]
+        assert use["streak_takes"] == use["takes"] == 24 and 1 <= use["longest_streak"] <= 24
+        assert use["top_share"] == max(Counter(buckets).values()) / 24
 
 
 def test_a_held_block_starts_with_the_queue_it_left_and_is_measured_from_its_own_start(held) -> None:
@@ -73,6 +79,7 @@ def test_a_held_block_starts_with_the_queue_it_left_and_is_measured_from_its_own
             assert first["depth_before"] >= entry["queue"]["min_ready"]  # no refill: the queue was kept
             assert rows[block]["t_start"] >= last_before  # the block's span is its own
             assert rows[block]["throughput_tokens_per_s"] > 0 and rows[block]["takes"] == 8
+            assert rows[block]["mix_window"] == base.metrics.window  # the configured window, never the block's
 
 
 def test_a_held_job_computes_nothing_while_another_configuration_trains(held) -> None:
@@ -118,8 +125,9 @@ def test_the_driver_gone_a_held_job_ends_itself_cleanly(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- the held-out objective (issue #27)
 def test_every_block_end_is_scored_on_one_held_out_set_and_validation_compares_it(held) -> None:
-    from tuning.quality import heldout_evidence
-    from tuning.validate import _evidence, block_table
+    from tuning.validation.metrics import block_table
+    from tuning.validation.quality import heldout_evidence
+    from tuning.validation.recommendation import evidence_of
 
     runs = {e["name"]: held["out"] / "runs" / e["name"] for e in ENTRIES}
     for run in runs.values():
@@ -132,7 +140,7 @@ def test_every_block_end_is_scored_on_one_held_out_set_and_validation_compares_i
         h = ev["configs"][n]
         assert h["sequences"] == n_seq and h["tau"] >= 1.0 and h["tau_ci"][0] <= h["tau"] <= h["tau_ci"][1]
         assert set(ev["estimates"][n]) == {"heldout_tau", "heldout_loss"}
-    _, _, rec = _evidence(block_table(held["rows"]), looks=3, block_takes=8, heldout=ev["estimates"])
+    _, _, rec = evidence_of(block_table(held["rows"]), looks=3, block_takes=8, heldout=ev["estimates"])
     assert rec is not None and {"heldout_tau", "heldout_loss"} <= set(rec.objectives)
     held_comps = [c for c in rec.against_best if c.objective in ("heldout_tau", "heldout_loss")]
     assert len(held_comps) == 2 and all(c.blocks == (n_seq, n_seq) for c in held_comps)

@@ -13,9 +13,10 @@ import math
 import pytest
 
 from tests.test_resume_and_control import run_inputs  # noqa: F401 - the fixture (slow test only)
-from tuning.evidence import Estimate, compare_estimates, heldout_comparisons, recommend, resolved
-from tuning.quality import common_step, estimates
-from tuning.validate import _evidence, block_table
+from tuning.validation.evidence import Estimate, compare_estimates, heldout_comparisons, recommend, resolved
+from tuning.validation.metrics import block_table
+from tuning.validation.quality import common_step, estimates
+from tuning.validation.recommendation import evidence_of
 
 
 def _rows(tput: dict[str, list[float]], peak: dict[str, float]) -> list[dict]:
@@ -47,12 +48,12 @@ def test_held_out_tau_decides_when_throughput_cannot() -> None:
     by held-out tau."""
     blocks = block_table(_rows({"baseline": [100, 120, 90, 110], "tuned-1": [105, 115, 95, 112]},
                                {"baseline": 1e6, "tuned-1": 4e6}))
-    off = _evidence(blocks, looks=4, block_takes=10)[2]
+    off = evidence_of(blocks, looks=4, block_takes=10)[2]
     assert off is not None and off.name == "baseline" and off.decided_by == ()
     assert "Decided by peak queue memory alone" in off.words and "heldout_tau" not in off.objectives
     held = {"baseline": {"heldout_tau": _est(1.20, 0.02), "heldout_loss": _est(4.00, 0.05)},
             "tuned-1": {"heldout_tau": _est(1.35, 0.02), "heldout_loss": _est(3.98, 0.05)}}
-    chosen, comps, rec = _evidence(blocks, looks=4, block_takes=10, heldout=held)
+    chosen, comps, rec = evidence_of(blocks, looks=4, block_takes=10, heldout=held)
     assert chosen == "tuned-1" and rec is not None and rec.name == "tuned-1"
     assert rec.objectives == ("throughput_tokens_per_s", "mix_efficiency", "heldout_tau", "heldout_loss")
     assert rec.decided_by == ("heldout_tau",) and rec.candidates == ("tuned-1",)
@@ -78,7 +79,7 @@ def test_a_configuration_without_a_held_out_score_leaves_the_held_out_objectives
     blocks = block_table(_rows({"baseline": [100, 101, 99], "tuned-1": [100, 99, 101]},
                                {"baseline": 1e6, "tuned-1": 2e6}))
     held = {"tuned-1": {"heldout_tau": _est(1.5, 0.01), "heldout_loss": _est(3.0, 0.01)}}
-    _, comps, rec = _evidence(blocks, looks=3, block_takes=10, heldout=held)
+    _, comps, rec = evidence_of(blocks, looks=3, block_takes=10, heldout=held)
     assert rec is not None and "heldout_tau" not in rec.objectives
     assert all(c.objective not in ("heldout_tau", "heldout_loss") for c in comps)
     assert heldout_comparisons(held, "tuned-1") == []  # no reference scored
@@ -98,8 +99,8 @@ def test_a_held_out_object_gives_tau_and_loss_estimates() -> None:
 
 
 def test_the_off_note_is_said_once() -> None:
-    from tuning.quality import OFF_NOTE
-    from tuning.validate import heldout_lines
+    from tuning.validation.quality import OFF_NOTE
+    from tuning.validation.summary import heldout_lines
 
     assert heldout_lines({"on": False, "note": OFF_NOTE, "step": None, "configs": {}}) == [OFF_NOTE]
     assert "[train] quality_every" in OFF_NOTE

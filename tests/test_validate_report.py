@@ -3,7 +3,7 @@ CLI summary and report.md both show is the same text.
 
 Before, the CLI said "about 4650 more takes per configuration would resolve the remaining
 differences" and the report, on the same validation, "about 822,125 more takes": two computations
-over two sets of comparisons. Now tuning.evidence computes the figure once, validation.json carries
+over two sets of comparisons. Now tuning.validation.evidence computes the figure once, validation.json carries
 it in the recommendation's words, and both print those words.
 """
 

@@ -48,12 +48,19 @@ class Evaluation:
         return max(xs) if xs else math.nan
 
 
+def sweep_seeds(cfg: DflashConfig, seeds: int | None = None) -> tuple[int, ...]:
+    """The seeds a sweep evaluates every configuration on: ``cfg.seed`` and the next ``seeds - 1``
+    (default ``[sweep] seeds_per_trial``). Validation predicts on seeds disjoint from these
+    (:func:`tuning.validation.predict.prediction_seeds`): the sweep's pick won on them."""
+    return tuple(cfg.seed + r for r in range(seeds or cfg.sweep.seeds_per_trial))
+
+
 class Evaluator:
     """Runs configurations on the simulator; one per worker process (samplers are cached)."""
 
     def __init__(self, cfg: DflashConfig, seeds: int | None = None, sim_seconds: float | None = None) -> None:
         self.cfg = cfg
-        self.seeds = tuple(cfg.seed + r for r in range(seeds or cfg.sweep.seeds_per_trial))
+        self.seeds = sweep_seeds(cfg, seeds)
         self.sim_seconds = sim_seconds or cfg.sweep.sim_seconds
         self._lengths, self._prompts = load_lengths_and_prompts(cfg.workload, cfg.target.model, cfg.seed)
         self._samplers: dict[int, Sampler] = {}

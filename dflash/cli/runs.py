@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 from dflash.core.run_config import load_run_config  # noqa: F401  (re-exported: dflash.cli.load_run_config)
+from dflash.data.trained import trained_conversation_ids  # noqa: F401  (re-exported: its home is dflash.data)
 
 
 def drafter_dirs(path: Path, flag: str = "--drafter") -> tuple[Path, Path]:
@@ -34,18 +34,3 @@ def drafter_dirs(path: Path, flag: str = "--drafter") -> tuple[Path, Path]:
         raise ConfigError(flag, f"has no {WEIGHTS_FILE} next to {CONFIG_FILE}; the drafter directory is incomplete",
                           str(path))
     return (path if drafter != path else path.parent), drafter
-
-
-def trained_conversation_ids(run_dir: Path, cfg: DflashConfig) -> set[str]:
-    """Conversation ids of every item a run's take records show (to keep evaluation held out)."""
-    from dflash.core.records import read_records
-
-    item_ids = [i for r in read_records(run_dir, "take") for i in r["item_ids"]]
-    if not item_ids:
-        return set()
-    from dflash.core.sampler import sampler_for
-    from dflash.data.lengths import cached_lengths
-
-    table = cached_lengths(cfg.workload, model=cfg.target.model, progress=False)
-    sampler = sampler_for(cfg, table.lengths, table.prompt_lengths)
-    return {table.ids[k] for k in sampler.sequences_of(item_ids)}

@@ -445,6 +445,39 @@ class SweepConfig:
         object.__setattr__(self, "grid_policies", tuple(self.grid_policies))
 
 
+@dataclass(frozen=True)
+class DecisionConfig:
+    """How validation decides (:mod:`tuning.validation.decision`): the margins, the level, the gap test.
+
+    A margin is the smallest difference the user cares about on that objective: two configurations
+    whose interval of difference lies inside +-margin on every objective are *equivalent*, and the
+    cheaper in queue memory wins. ``margin_throughput`` is a fraction of the reference's throughput;
+    the others are in their objective's unit. ``level`` is the confidence of the whole decision (split
+    over looks x comparisons x objectives); ``z_refute``: a gap between the simulated and measured
+    differences larger than this many standard errors on any comparison refutes the simulator for the
+    whole decision (the hardware then decides alone). The defaults (the smallest margins and the
+    threshold that meet the decision's goals at the demo's one-round budget) come from
+    ``benchmarks/decision_oc.py`` (docs/ARCHITECTURE.md, "Decisions: the validated simulator plus the hardware").
+    """
+
+    margin_throughput: float = 0.15
+    margin_mix_efficiency: float = 0.05
+    margin_heldout_tau: float = 0.02
+    margin_heldout_loss: float = 0.2
+    level: float = 0.95
+    z_refute: float = 2.25
+
+    def __post_init__(self) -> None:
+        check_float("decision.margin_throughput", self.margin_throughput, 0.0, 1.0, lo_open=True)
+        check_float("decision.margin_mix_efficiency", self.margin_mix_efficiency, 0.0, lo_open=True)
+        check_float("decision.margin_heldout_tau", self.margin_heldout_tau, 0.0, lo_open=True)
+        check_float("decision.margin_heldout_loss", self.margin_heldout_loss, 0.0, lo_open=True)
+        check_float("decision.level", self.level, 0.0, lo_open=True)
+        if self.level >= 1.0:
+            raise ConfigError("decision.level", "must be a number > 0.0 and < 1.0", self.level)
+        check_float("decision.z_refute", self.z_refute, 0.0, lo_open=True)
+
+
 NOISE_MODELS = ("deterministic", "exponential", "lognormal", "empirical")
 
 
@@ -639,6 +672,7 @@ SECTIONS: dict[str, type] = {
     "timing": TimingConfig,
     "loss_model": LossModelConfig,
     "memory": MemoryConfig,
+    "decision": DecisionConfig,
 }
 
 
@@ -655,6 +689,7 @@ class DflashConfig:
     timing: TimingConfig = field(default_factory=TimingConfig)
     loss_model: LossModelConfig = field(default_factory=LossModelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    decision: DecisionConfig = field(default_factory=DecisionConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -76,10 +76,7 @@ def conversation_token_lengths(convs: Iterable[Conversation], tokenizer: Any, *,
     one.
     """
     convs = list(convs)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and (backend.truncation is not None or backend.padding is not None):
-        backend = None  # settings that would change counts: take the ordinary path
-    encode = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+    encode = _fast_encoder(tokenizer)
 
     bar = None
     if progress and convs:
@@ -121,6 +118,7 @@ def prompt_token_lengths(convs: Iterable[Conversation], tokenizer: Any, *, batch
     """
     out: list[int] = []
     convs = list(convs)
+    encode = _fast_encoder(tokenizer)
     for start in range(0, len(convs), batch_size):
         prompts = []
         for conv in convs[start:start + batch_size]:
@@ -130,9 +128,20 @@ def prompt_token_lengths(convs: Iterable[Conversation], tokenizer: Any, *, batch
         # A conversation that opens with a response has no prompt: its responses start at once.
         texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) if m else ""
                  for m in prompts]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        out.extend(len(x) for x in ids)
+        if encode is not None:  # the Rust batch encoder without offsets: the same ids, a cold demo's seconds
+            out.extend(len(e.ids) for e in encode(texts, add_special_tokens=False))
+        else:
+            out.extend(len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"])
     return out
+
+
+def _fast_encoder(tokenizer: Any) -> Any:
+    """The backend's parallel batch encoder (``encode_batch_fast``, else ``encode_batch``), or None when
+    the tokenizer has none or settings (truncation, padding) that would change the counts."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    return getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
 
 
 # --------------------------------------------------------------------------- tables

@@ -1,5 +1,5 @@
 """``dflash validate``: The selection on the real trainer, compared with the calibrated simulator
-(tuning/validate.py)."""
+(tuning/validation/)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,11 @@ from dflash.core.errors import ConfigError
 
 
 def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
-    """The selection on the real trainer, compared with the calibrated simulator (tuning/validate.py)."""
-    from tuning.validate import (
-        ValidateArgs,
-        claims_url_for,
-        format_validation,
-        progress_printer,
-        read_selection,
-        run_validation,
-        selection_from_study,
-    )
+    """The selection on the real trainer, compared with the calibrated simulator (tuning/validation/)."""
+    from reports.answer import answer_of
+    from tuning.validation.job import run_validation
+    from tuning.validation.plan import ValidateArgs, block_rule, claims_url_for, read_selection, selection_from_study
+    from tuning.validation.summary import format_validation, progress_printer
 
     out = Path(args.out) if args.out else Path("validation")
     if args.selection:
@@ -31,8 +26,9 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         storage = args.storage or "dflash-study.journal"
         selection, sel_path = selection_from_study(args.study, storage, cfg), f"study {args.study} in {storage}"
     takes = int(args.takes) if args.takes is not None else 300
-    block = int(args.block_takes) if args.block_takes is not None else min(takes, 20)
-    vargs = ValidateArgs(selection=selection, selection_path=sel_path, takes=takes, block_takes=block, out=out,
+    block, reason = block_rule(cfg, takes, int(args.block_takes) if args.block_takes is not None else None)
+    vargs = ValidateArgs(selection=selection, selection_path=sel_path, takes=takes, block_takes=block,
+                         block_reason=reason, out=out,
                          calibration=args.calibration, claims_url=claims_url_for(args.storage, out),
                          prompts=cfg.train.eval_prompts)
     payload = run_validation(cfg, vargs, progress=progress_printer)
@@ -40,6 +36,9 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         return 0
     print(format_validation(payload))
     print(f"validation: {out / 'validation.json'}")
+    answer = answer_of(payload)  # the last two lines: the answer (the report's first section says the same)
+    if answer is not None:
+        print("\n".join(answer))
     return 0
 
 
@@ -70,6 +69,7 @@ VERB = Verb("run the selection on the real trainer; compare with predictions", c
         N_DRAFTER,
         Opt("--takes", "int", "most takes per validated config (>= 1; default 300)", lo=1, metavar="N"),
         Opt("--block-takes", "int", "takes per config per round; rounds alternate the configs and stop when "
-                                    "every comparison is resolved (>= 1; default min(takes, 20))", lo=1, metavar="N"),
+                                    "every comparison is resolved (>= 1; default: whole mega-batches holding one "
+                                    "metrics window, see docs/guide/validate.md)", lo=1, metavar="N"),
         Opt("--out", "outdir", "output directory", metavar="DIR"),
     ))

@@ -15,7 +15,7 @@ queue memory wins. A costlier configuration is never preferred on unresolved evi
 
 The held-out quality metric (``[train] quality_every``) enters as two more objectives, held-out tau
 (higher is better) and held-out loss (lower is better), read at the last step every configuration
-scored (:mod:`tuning.quality`). They are not block means but one estimate per configuration with a
+scored (:mod:`tuning.validation.quality`). They are not block means but one estimate per configuration with a
 95% bootstrap interval over the held-out sequences; the interval of a difference is the normal one
 from the two (:func:`compare_estimates`: every configuration scores the *same* sequences, so treating
 the two as independent only widens it). They are read once, after the last round, so they take no
@@ -23,7 +23,7 @@ share of the per-look level, and they do not stop a validation early. A differen
 the one rule of :func:`resolved` whatever the objective, and the recommendation names the objectives
 that decided (:attr:`Recommendation.decided_by`).
 
-Pure: no torch, no trainer; :mod:`tuning.validate` feeds it block measurements.
+Pure: no torch, no trainer; :mod:`tuning.validation.recommendation` feeds it block measurements.
 """
 
 from __future__ import annotations

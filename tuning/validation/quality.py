@@ -1,7 +1,7 @@
-"""The held-out quality metric of a validation's runs, read for :mod:`tuning.evidence`.
+"""The held-out quality metric of a validation's runs, read for :mod:`tuning.validation.evidence`.
 
 With ``[train] quality_every`` every configuration's run scores its drafter on the held-out set
-(:mod:`dflash.pipeline.quality`) into its step records under ``heldout``. Configurations are compared
+(:mod:`dflash.pipeline.heldout`) into its step records under ``heldout``. Configurations are compared
 at *equal steps*: the last step every one of them scored, since a drafter that trained longer is
 better for that reason alone. Every configuration of one validation shares the seed and so the
 held-out set; each run's ``heldout.json`` ids are checked against the others', and a disagreement is
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.core.records import read_records
-from tuning.evidence import Estimate
+from tuning.validation.evidence import Estimate
 
 OFF_NOTE = ("held-out quality objective: off (set [train] quality_every = N, a divisor of the block's steps, to "
             "compare configurations on held-out tau and loss at equal steps)")
