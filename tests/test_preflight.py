@@ -9,7 +9,6 @@ import pytest
 
 from dflash.cli import main
 
-
 BUDGET = "[sweep]\nmemory_budget_gib = 0.01\n"
 
 
