@@ -150,8 +150,10 @@ def _compiled_fn(name: str, device_type: str) -> Any:
     sizes), eager elsewhere."""
     fn = _compiled.get((name, device_type))
     if fn is None:
-        from torch.nn.attention import flex_attention as fa
-
+        try:  # torch >= 2.5; resolve_backend picks flex only where flex_available(), so this is a guard
+            from torch.nn.attention import flex_attention as fa
+        except ImportError as e:
+            raise RuntimeError(f"[drafter] attention = flex needs torch >= 2.5 (this is {torch.__version__})") from e
         fn = getattr(fa, name)
         if device_type == "cuda":
             fn = torch.compile(fn)
