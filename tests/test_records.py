@@ -64,3 +64,21 @@ def test_parquet_export(tmp_path: Path) -> None:
     paths = export_parquet(tmp_path)
     assert {p.name for p in paths} == {"produce.parquet", "take.parquet", "step.parquet"}
     assert len(pd.read_parquet(tmp_path / "take.parquet")) == 4
+
+
+@pytest.mark.parametrize("tables", [
+    [{}],  # a run resumed and stopped before its first step: no stage was timed
+    [{}, {"drafter_forward_s": 0.2}],
+    [{"per_rank": {}}],  # an empty table inside one
+])
+def test_parquet_export_stores_a_field_holding_an_empty_table_as_json(tmp_path: Path, tables) -> None:
+    """Parquet has no struct without a field: such a column is written as JSON text, never a failed export
+    (the failure ended a resumed fault-matrix run's rank with ArrowNotImplementedError)."""
+    import pandas as pd
+
+    with RecordWriter(tmp_path, "r", "real") as w:
+        for i, table in enumerate(tables):
+            w.write("summary", t=float(i), produced=0, trained=0, discarded_at_stop=0, stage_means_s=table)
+    export_parquet(tmp_path)
+    back = pd.read_parquet(tmp_path / "summary.parquet")["stage_means_s"]
+    assert [json.loads(v) for v in back] == tables

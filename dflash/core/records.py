@@ -148,14 +148,27 @@ def export_parquet(run_dir: str | Path) -> list[Path]:
 
 def _one_type_per_column(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Parquet wants one type per column; a field whose records disagree (a control record's ``reason`` is
-    a sentence for a rejected change and a table for an autopilot decision) is stored as JSON text."""
+    a sentence for a rejected change and a table for an autopilot decision) is stored as JSON text, and so
+    is one holding an empty table anywhere (a summary's ``stage_means_s`` of a run resumed and stopped
+    before its first step): Parquet has no struct without a field."""
     kinds: dict[str, set[str]] = {}
+    empty: set[str] = set()
     for r in rows:
         for k, v in r.items():
             if v is not None:
                 kinds.setdefault(k, set()).add("number" if isinstance(v, int | float) and not isinstance(v, bool)
                                                else type(v).__name__)
-    mixed = {k for k, ts in kinds.items() if len(ts) > 1}
+                if _holds_empty_table(v):
+                    empty.add(k)
+    mixed = {k for k, ts in kinds.items() if len(ts) > 1} | empty
     if not mixed:
         return rows
     return [{k: json.dumps(v) if k in mixed and v is not None else v for k, v in r.items()} for r in rows]
+
+
+def _holds_empty_table(v: Any) -> bool:
+    if isinstance(v, dict):
+        return not v or any(_holds_empty_table(x) for x in v.values())
+    if isinstance(v, list):
+        return any(_holds_empty_table(x) for x in v)
+    return False
