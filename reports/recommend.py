@@ -149,6 +149,11 @@ def section(inputs: Inputs) -> Section:
     answer = answer_blocks(inputs.validation.data) if inputs.validation is not None else []
     if answer:  # the validation decided (or said it could not): its two sentences and its table come first
         sec.blocks.extend(answer)
+        evidence = evidence_blocks(inputs)
+        if evidence:  # what the CLI prints under its note too: the hardware's own block comparisons, for reference
+            sec.blocks.append(Text("For reference, the hardware alone (the block comparisons of the sequential "
+                                   "validation, as the CLI prints them; the decision above is the answer):"))
+            sec.blocks.extend(evidence)
     else:
         by = "dflash validate from real runs" if inputs.validation is not None and \
             inputs.validation.data.get("chosen") == name else "the sweep's selection rule on simulated runs"
