@@ -68,7 +68,10 @@ def bucket_use(data: Mapping[str, Any], name: str) -> BucketUse | None:
 def pathology_of(data: Mapping[str, Any], chosen: str | None) -> Pathology | None:
     """Baseline against the recommendation, when the validation measured both."""
     base, mine = bucket_use(data, "baseline"), bucket_use(data, chosen) if chosen else None
-    return Pathology(base, mine) if base is not None and mine is not None else None
+    if base is None or mine is None:
+        return None
+    window = data.get("window")  # the run's [metrics] window: a streak that long fills a window from one bucket
+    return Pathology(base, mine, window=int(window)) if isinstance(window, int) else Pathology(base, mine)
 
 
 def describe(data: Mapping[str, Any]) -> dict[str, str]:
