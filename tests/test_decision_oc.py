@@ -98,3 +98,12 @@ def test_bad_flags_are_one_line_exit_2(oc, capsys):
     assert err.count("\n") == 1 and "--budget-takes" in err
     assert oc.main(["--reps", "0", "--no-record"]) == 2
     assert "--reps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("profile", ["cpu-smollm2.toml"])
+def test_the_demo_profile_decides_with_the_settings_whose_operating_characteristics_were_measured(profile):
+    """decision_oc.py's table is measured with DecisionConfig's defaults; a profile that overrides them
+    (it once set 10% / z_refute 2.0, where no z_refute met the goals) would decide without that evidence."""
+    from dflash.core.config import DecisionConfig, load_config
+
+    assert load_config(ROOT / "examples" / profile).decision == DecisionConfig()
