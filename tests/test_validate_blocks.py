@@ -117,7 +117,8 @@ def test_a_config_without_throughput_blocks_is_left_out_of_the_decision() -> Non
 
 
 @pytest.mark.parametrize(("statuses", "resolved", "reason"), [
-    (["done", "skipped"], [True, True], "resolved"),  # stopped early
+    (["done", "skipped"], [True, True], "decided"),  # the decision was an answer at an earlier look
+    (["done", "skipped"], [False, False], "decided"),  # ... whatever the hardware alone resolved
     (["done", "done"], [True, True], "resolved"),  # resolved at the last look
     (["done", "done"], [True, False], "budget"),
     (["done", "failed", "skipped"], [True, True], "failed"),  # skipped because a config failed
@@ -261,3 +262,57 @@ def test_with_one_block_the_prediction_continues_into_the_steady_state_and_the_d
         first = [x - y for x, y in zip(preds["tuned-1"][o]["per_seed"], preds["baseline"][o]["per_seed"], strict=True)]
         assert e.sim_diff == pytest.approx(sum(steady) / len(steady))
         assert e.sim_first_diff == pytest.approx(sum(first) / len(first))
+
+
+def test_zero_tau_prompts_load_no_drafter_and_say_why_tau_is_missing(tmp_path):
+    """dflash demo validates with 0 tau prompts: nothing is loaded or decoded (no run directory, no
+    target is needed) and the row says why its tau is missing."""
+    from dflash.core.config import DflashConfig
+    from tuning.validation.acceptance import final_tau
+
+    tau = final_tau(DflashConfig(), tmp_path / "no-such-run", None, 0)
+    assert tau["tau"] is None and tau["num_prompts"] == 0 and "0 prompts" in tau["why_missing"]
+
+
+# --------------------------------------------------------------------------- the look after a round (early stop)
+def _look_setup(tmp_path: Path):
+    from tests.test_drift import machine
+
+    base = with_overrides(machine(1.0), {"metrics.window": 8, "workload.mega_batch": 16})
+    # Simulated steady state: tuned-1 about as fast (+2%), mixing far better (+0.21, four margins)
+    sel = {"configs": [{"name": "baseline", "queue": {"min_ready": 4, "max_depth": 12, "policy": "fullest"}},
+                       {"name": "tuned-1", "queue": {"min_ready": 8, "max_depth": 40, "policy": "random_item"}}]}
+    args = ValidateArgs(selection=sel, selection_path="sel.json", takes=48, out=tmp_path, calibration=None,
+                        claims_url="sqlite://", prompts=0, block_takes=16)
+    return base, args
+
+
+def _measured_as_predicted(base, args, shift: float = 0.0) -> list[dict]:
+    """Block 0 of each configuration measured exactly as the simulator predicts it (tuned-1's mix shifted)."""
+    from tuning.validation.summary import predicted_blocks
+
+    rows = []
+    for entry in args.selection["configs"]:
+        stub = [{"name": entry["name"], "block": 0, "steps": block_steps(base, args, 0)[0]}]
+        p = predicted_blocks(entry, stub, base, base, args)[3]
+        first = {o: sum(p[o]["per_seed"]) / len(p[o]["per_seed"]) for o in ("throughput_tokens_per_s",
+                                                                             "mix_efficiency")}
+        rows.append({**stub[0], "throughput_tokens_per_s": first["throughput_tokens_per_s"],
+                     "mix_efficiency": first["mix_efficiency"] + (shift if entry["name"] == "tuned-1" else 0.0),
+                     "peak_queue_bytes": 1e6 if entry["name"] == "baseline" else 4e6})
+    return rows
+
+
+@pytest.mark.slow  # ~7 s a case: the simulator predicts both configurations (8 seeds, steady blocks)
+@pytest.mark.parametrize(("shift", "stops"), [(0.0, True), (-0.6, False)])
+def test_the_look_after_a_round_stops_only_on_the_decision_the_summary_would_make(tmp_path, shift, stops):
+    """Issue #32: the early stop asks the decision (simulator and hardware together, level split over the
+    looks), not the hardware's Welch test: a round that agrees with a simulator predicting a large mix gap
+    is an answer, one that refutes the simulator leaves one round of hardware alone: keep measuring."""
+    from tuning.validation.job import interim_decision
+
+    base, args = _look_setup(tmp_path)
+    looks = max_looks(args.takes, args.block_takes)
+    decision = interim_decision(base, base, args, _measured_as_predicted(base, args, shift), looks)
+    assert decision is not None and (decision.outcome in ("decided", "equivalent")) is stops, decision.as_json()
+    assert interim_decision(base, base, args, _measured_as_predicted(base, args)[:1], looks) is None

@@ -7,9 +7,15 @@ from typing import Any
 
 from dflash.core.config import DflashConfig
 
+NOT_MEASURED = ("not measured: asked for 0 prompts (dflash demo: a drafter trained for one block has tau ~1, and "
+                "tau is no objective of the decision)")
+
 
 def final_tau(cfg: DflashConfig, run_dir: Path, target: Any, prompts: int) -> dict[str, Any]:
-    """tau of the configuration's drafter after its last block, on prompts it never trained on."""
+    """tau of the configuration's drafter after its last block, on prompts it never trained on; with 0
+    prompts nothing is loaded or decoded and the row says why tau is missing."""
+    if prompts <= 0:
+        return {"tau": None, "num_prompts": 0, "why_missing": NOT_MEASURED}
     from dflash.data.trained import trained_conversation_ids
     from dflash.model.drafter import DFlashDrafter
 

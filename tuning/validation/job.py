@@ -6,6 +6,7 @@ Several workers share the claim table (:mod:`tuning.validation.claims`) per (con
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +15,6 @@ from typing import Any
 
 from dflash.core.config import DflashConfig
 from tuning.validation.claims import ClaimStore, worker_id
-from tuning.validation.evidence import all_resolved
 from tuning.validation.metrics import block_table
 from tuning.validation.plan import (
     ValidateArgs,
@@ -24,7 +24,6 @@ from tuning.validation.plan import (
     unit_order,
     unit_ready,
 )
-from tuning.validation.recommendation import evidence_of
 from tuning.validation.runner import HELD, release, run_block
 from tuning.validation.summary import write_summary
 
@@ -62,7 +61,7 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
             progress(block_line(row, entries[name]["queue"], looks, finished, len(rows)))
             if not kept:
                 progress(f"{unit}: claim lost to another worker (this one was taken for dead); result dropped")
-            _look_after_round(store, block, looks, progress)
+            look_after_round(store, block, looks, progress, base, calibrated, args)
         rows = store.rows()
         release()  # held jobs end the normal way: their metrics.json and drafter are read below
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the jobs checkpoint first, then the block is given back
@@ -133,15 +132,45 @@ def _run_claimed(store: ClaimStore, unit: str, me: str, work: Callable[[], dict[
         beat.join()
 
 
-def _look_after_round(store: ClaimStore, block: int, looks: int, progress: Callable[[str], None]) -> None:
-    """After the last block of a round: stop early when every comparison is resolved."""
+def look_after_round(store: ClaimStore, block: int, looks: int, progress: Callable[[str], None],
+                     base: DflashConfig, calibrated: DflashConfig, args: ValidateArgs) -> None:
+    """After the last block of a round: stop early when the decision the summary would make now
+    (:func:`interim_decision`) is already an answer, decided or equivalent.
+
+    The decision's level is already split over every look (``max_looks``), so stopping at any look keeps
+    the overall level (Bonferroni over looks). With the held-out quality objective on, nothing stops
+    early: those scores exist only once the jobs end."""
     rows = store.rows()
-    if any(split_unit(r["name"])[1] == block and r["status"] in ("pending", "running") for r in rows):
+    if block + 1 >= looks or any(split_unit(r["name"])[1] == block and r["status"] in ("pending", "running")
+                                 for r in rows):
         return
-    blocks = block_table([r["result"] for r in rows if r["status"] == "done"])
-    chosen, comps, _ = evidence_of(blocks, looks, 1)
-    if comps and all_resolved(comps) and (n := store.skip_pending()):
-        progress(f"look {block + 1}/{looks}: every comparison of {chosen} is resolved; {n} blocks skipped")
+    if base.train.quality_every:
+        return
+    decision = interim_decision(base, calibrated, args, [r["result"] for r in rows if r["status"] == "done"], looks)
+    if decision is not None and decision.outcome in ("decided", "equivalent") and (n := store.skip_pending()):
+        progress(f"look {block + 1}/{looks}: {decision.outcome} on {decision.chosen} at the split level; "
+                 f"{n} blocks skipped")
+
+
+def interim_decision(base: DflashConfig, calibrated: DflashConfig, args: ValidateArgs,
+                     done: list[dict[str, Any]], looks: int) -> Any:
+    """The decision over the blocks done so far, as the summary makes it (the same predictions of the same
+    blocks, the same policy); block objectives only. None when fewer than two configurations have blocks."""
+    from tuning.validation.recommendation import decide_validation
+    from tuning.validation.summary import predicted_blocks
+
+    entries = {c["name"]: c for c in args.selection["configs"]}
+    by_name = {n: [r for r in done if r.get("name") == n and "error" not in r] for n in entries}
+    by_name = {n: rs for n, rs in by_name.items() if rs}
+    if len(by_name) < 2:
+        return None
+    configs = []
+    for n, rs in by_name.items():
+        _steps, kept, _spans, predicted = predicted_blocks(entries[n], rs, base, calibrated, args)
+        configs.append({"name": n, "kept_blocks": kept, "predicted": predicted})
+    blocks = block_table([r for rs in by_name.values() for r in rs])
+    peak = {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in blocks.items()}
+    return decide_validation(base.decision, looks, configs, by_name, {}, peak)
 
 
 def _beat(store: ClaimStore, name: str, me: str, stop: threading.Event) -> None:

@@ -59,12 +59,14 @@ def evidence_of(blocks: dict[str, dict[str, list[float]]], looks: int, block_tak
 
 
 def stop_reason(rows: list[dict[str, Any]], comps: list[Comparison]) -> str:
-    """Why validation ended, from the evidence: a configuration failed and its blocks were dropped
-    (``failed``, whatever else is resolved: its comparisons are missing), every comparison resolved
-    (``resolved``, early or at the last look), or the budget spent with differences still open
-    (``budget``; also when there was nothing to compare)."""
+    """Why validation ended: a configuration failed and its blocks were dropped (``failed``, whatever else
+    is resolved: its comparisons are missing), the decision was an answer at an earlier look and the
+    remaining blocks were skipped (``decided``), every comparison resolved on the hardware alone
+    (``resolved``), or the budget spent (``budget``; also when there was nothing to compare)."""
     if any(r["status"] == "failed" for r in rows):
         return "failed"
+    if any(r["status"] == "skipped" for r in rows):
+        return "decided"
     return "resolved" if comps and all_resolved(comps) else "budget"
 
 

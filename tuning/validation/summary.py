@@ -34,6 +34,21 @@ from tuning.validation.recommendation import decide_validation, evidence_of, sto
 from tuning.validation.runner import wait_for_held_ends
 
 
+def predicted_blocks(entry: dict[str, Any], blocks: list[dict[str, Any]], base: DflashConfig,
+                     calibrated: DflashConfig, args: ValidateArgs
+                     ) -> tuple[int, list[int], list[tuple[int, int]], dict[str, Any]]:
+    """Steps, kept blocks, their step spans and the a-priori prediction of one configuration's blocks
+    so far: the prediction's blocks are the hardware's (the same step ranges, the same kept blocks), so
+    the summary and the look after each round (:func:`tuning.validation.job.look_after_round`) judge
+    the same statistic."""
+    steps = max(int(b.get("steps") or 0) for b in blocks)
+    n = max(int(b["block"]) for b in blocks) + 1
+    kept = [k for k in kept_blocks(n) if any(int(b["block"]) == k for b in blocks)]
+    spans = [(block_steps(base, args, k - 1)[0] if k else 0, block_steps(base, args, k)[0]) for k in range(n)]
+    predicted = predict(entry, calibrated, steps, args.out / "sim" / entry["name"], blocks=spans, kept=kept)
+    return steps, kept, spans, predicted
+
+
 def config_row(entry: dict[str, Any], blocks: list[dict[str, Any]], base: DflashConfig, calibrated: DflashConfig,
                args: ValidateArgs, target: Any) -> dict[str, Any]:
     """Measured (block means and their standard errors), tau, the a-priori prediction, the run
@@ -46,18 +61,13 @@ def config_row(entry: dict[str, Any], blocks: list[dict[str, Any]], base: Dflash
 
     name = entry["name"]
     run_dir = args.out / "runs" / name
-    steps = max(int(b.get("steps") or 0) for b in blocks)
     run_cfg = with_overrides(base, queue_overrides(entry["queue"]))
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    n = max(int(b["block"]) for b in blocks) + 1
-    kept = [k for k in kept_blocks(n) if any(int(b["block"]) == k for b in blocks)]
-    # The prediction's blocks are the hardware's: the same step ranges, the same kept blocks.
-    spans = [(block_steps(base, args, k - 1)[0] if k else 0, block_steps(base, args, k)[0]) for k in range(n)]
+    steps, kept, spans, predicted = predicted_blocks(entry, blocks, base, calibrated, args)
     measured, se = block_means([b for b in blocks if int(b["block"]) in kept], metrics)
     tau = final_tau(run_cfg, run_dir, target, args.prompts)
     measured["tau"] = tau.get("tau")
     (run_dir / "eval.json").write_text(json.dumps(clean_json(tau), indent=1))
-    predicted = predict(entry, calibrated, steps, args.out / "sim" / name, blocks=spans, kept=kept)
     own, why = own_calibration(run_dir, base, args.out / "sim" / name / "own-calibration.json")
     drift: dict[str, Any] = {"why_missing": why}
     corrected = None
@@ -106,7 +116,7 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
     held = heldout_evidence({n: args.out / "runs" / n for n in entries if n in blocks})
     estimates = held.pop("estimates")
     chosen, comps, rec = evidence_of(blocks, looks, args.block_takes, estimates)  # its note: printed once
-    target = load_target(base.target.model) if blocks else None
+    target = load_target(base.target.model) if blocks and args.prompts > 0 else None  # only tau needs it
     configs = [config_row(entries[n], [r for r in done if r["name"] == n], base, calibrated, args, target)
                for n in entries if n in blocks]
     peak = {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in blocks.items()}
