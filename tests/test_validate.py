@@ -115,7 +115,9 @@ def test_validate_runs_the_selection_on_the_real_trainer_and_writes_best_toml(tm
     text = (ROOT / "examples" / "cpu-smollm2.toml").read_text()
     assert "window = 32" in text
     profile = tmp_path / "cpu-smollm2-w4.toml"
-    profile.write_text(text.replace("window = 32", "window = 4"))
+    # tau on one prompt (the profile's 4 were a third of this test's time): the test checks tau is scored
+    profile.write_text(text.replace("window = 32", "window = 4")
+                       .replace("log_every = 10", "log_every = 10\neval_prompts = 1"))
     sel = tmp_path / "sel.json"
     sel.write_text(json.dumps({"configs": [
         {"name": "baseline", "queue": {"min_ready": 4, "max_depth": 12, "policy": "random_item"}},

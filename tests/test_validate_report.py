@@ -27,7 +27,10 @@ def test_the_cli_summary_and_the_report_of_one_validation_agree(tmp_path: Path, 
         {"name": "baseline", "queue": {"min_ready": 4, "max_depth": 12, "policy": "random_item"}},
         {"name": "tuned-1", "queue": {"min_ready": 2, "max_depth": 8, "policy": "fullest"}}]}))
     val = tmp_path / "val"
-    assert main(["validate", "--config", str(ROOT / "examples" / "cpu-smollm2.toml"), "--selection", str(sel),
+    profile = tmp_path / "cpu-one-tau-prompt.toml"  # tau on one prompt: no figure compared here depends on it
+    profile.write_text((ROOT / "examples" / "cpu-smollm2.toml").read_text().replace(
+        "log_every = 10", "log_every = 10\neval_prompts = 1"))
+    assert main(["validate", "--config", str(profile), "--selection", str(sel),
                  "--takes", "8", "--block-takes", "4", "--out", str(val)]) == 0
     cli = capsys.readouterr().out
     payload = json.loads((val / "validation.json").read_text())
