@@ -34,7 +34,7 @@ def wait_for(cond, timeout: float = 10.0) -> None:
 def rank_failure(monkeypatch: pytest.MonkeyPatch) -> tuple[RankFailure, list[tuple[BaseException, float]]]:
     """A fresh rank failure whose 'exit' records what it would report (the real one ends the process)."""
     exits: list[tuple[BaseException, float]] = []
-    failure = RankFailure(grace_s=0.2)
+    failure = RankFailure(grace_s=0.05)
     failure.install(lambda exc: exits.append((exc, time.monotonic())))
     monkeypatch.setattr(abort, "FAILURE", failure)
     monkeypatch.setattr(faults, "_counts", {})
@@ -48,9 +48,9 @@ def test_the_watchdog_reports_a_threads_failure_the_owner_did_not_raise(rank_fai
     failure.fail(first, "the producer's reader")
     failure.fail(later, "the producer's sender")  # the first failure is the rank's
     wait_for(lambda: exits)
-    assert exits[0][0] is first and exits[0][1] - t0 >= 0.2  # the owner had its grace
+    assert exits[0][0] is first and exits[0][1] - t0 >= 0.05  # the owner had its grace
     assert failure.where == "the producer's reader" and not failure.claim()  # nobody reports it twice
-    time.sleep(0.1)
+    time.sleep(0.05)
     assert len(exits) == 1
 
 
@@ -58,7 +58,7 @@ def test_an_owner_that_raises_first_keeps_the_report(rank_failure) -> None:
     failure, exits = rank_failure
     failure.fail(RuntimeError("x"), "the producer's sender")
     assert failure.claim()  # the owner (rank_main) reports it itself
-    time.sleep(0.3)
+    time.sleep(0.15)
     assert exits == []
 
 
@@ -144,7 +144,7 @@ def test_a_sigterm_after_a_peer_failed_leaves_at_once_while_the_main_thread_is_b
         watch.install()
         os.kill(os.getpid(), signal.SIGTERM)
         wait_for(lambda: stops)
-        time.sleep(0.2)
+        time.sleep(0.05)
         assert left == []  # no peer failed: the normal clean stop
         (tmp_path / "rank-1.error").write_text("{}")  # this rank's own error is no peer's
         (tmp_path / "rank-0.error").write_text("{}")
