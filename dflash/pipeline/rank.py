@@ -137,6 +137,7 @@ def rank_main(spec: RunSpec) -> int:
         if not FAILURE.claim():
             time.sleep(3600)
         fail(FAILURE.error)
+    assert rr is not None  # every other way out of the try ended the process
     status.flush()
     if rr.signals.name is not None:  # the launcher is shutting down and waits for this process: leave now
         sys.stdout.flush()
