@@ -17,6 +17,8 @@ drafter rank also runs the coordinator thread (:mod:`~dflash.pipeline.service` a
   learning-rate schedule;
 - ``ledger``, ``checkpoint``, ``resume``: exact resume, fail-closed checkpoints, control file;
 - ``telemetry``: W&B, NVML, stage timers;
+- ``abort``, ``faults``: the abort path (every thread's failure is its rank's, a failed rank's peers leave
+  within seconds, a heartbeat names a silently dead rank) and the fault injection that tests it;
 - ``trainer``: the library call that starts the job and reads back what it wrote (``validate``'s
   blocks, the demo's calibration run, benchmarks and tests); ``training_data``: the run's data.
 

@@ -1,5 +1,6 @@
-"""Fault injection for tests: ``DFLASH_FAULT=<site>:<n>[,<site>:<n>...]`` raises an unexpected exception
-at the n-th pass (1-based) through a named site of a rank, on the CPU as on a GPU.
+"""Fault injection for tests: ``DFLASH_FAULT=<site>:<n>[@<rank>][,...]`` raises an unexpected exception at
+the n-th pass (1-based) through a named site of a rank (of every rank, or of ``<rank>`` only), on the CPU
+as on a GPU.
 
 Why: a thread that dies on an exception nobody expected (a CUDA out-of-memory while taking a pool
 buffer, an NCCL error, an IPC mapping error) used to end silently while its owner waited with no
@@ -13,7 +14,12 @@ Sites (the thread each runs in):
 - ``producer.post_send``: posting an item's send (the producer's reader thread);
 - ``producer.send_wait``: waiting for a posted send or its acknowledgement (the producer's sender thread);
 - ``drafter.step``: a drafter rank starting an optimizer step (its main thread);
-- ``coordinator.handle``: the coordinator handling a batch of messages (the host rank's coordinator thread).
+- ``coordinator.handle``: the coordinator handling a batch of messages (the host rank's coordinator thread);
+- ``drafter.release``: a drafter rank giving back a received item, the acknowledgement on a sharing plane
+  (its main thread);
+- ``status.write``: writing the rank's status file (every rank's status thread);
+- ``heartbeat.beat``: the rank's beat to the coordinator (every rank's heartbeat thread);
+- ``telemetry.sample``: sampling the rank's GPU through NVML (a CUDA rank's telemetry thread).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import os
 import threading
 
 FAULT_ENV = "DFLASH_FAULT"
-SITES = ("producer.make", "producer.post_send", "producer.send_wait", "drafter.step", "coordinator.handle")
+SITES = ("producer.make", "producer.post_send", "producer.send_wait", "drafter.step", "coordinator.handle",
+         "drafter.release", "status.write", "heartbeat.beat", "telemetry.sample")
 
 
 class InjectedFault(RuntimeError):
@@ -34,13 +41,17 @@ _lock = threading.Lock()
 
 
 def _plan() -> dict[str, int]:
+    """The planned passes of this process: ``<site>:<n>`` on every rank, ``<site>:<n>@<rank>`` on one only
+    (the threads every rank runs, the status writer and the heartbeat, would otherwise fail on all at once)."""
     out: dict[str, int] = {}
     for part in os.environ.get(FAULT_ENV, "").split(","):
-        site, _, n = part.strip().partition(":")
+        site, _, rest = part.strip().partition(":")
+        n, _, rank = rest.partition("@")
         if site:
-            if site not in SITES or not n.isdigit() or int(n) < 1:
-                raise ValueError(f"{FAULT_ENV}: {part!r} is not <site>:<n> with a site of {', '.join(SITES)}")
-            out[site] = int(n)
+            if site not in SITES or not n.isdigit() or int(n) < 1 or (rank and not rank.isdigit()):
+                raise ValueError(f"{FAULT_ENV}: {part!r} is not <site>:<n>[@<rank>] with a site of {', '.join(SITES)}")
+            if not rank or int(rank) == int(os.environ.get("RANK", "0")):
+                out[site] = int(n)
     return out
 
 

@@ -1,6 +1,6 @@
 """The control plane's messages: one small frozen dataclass each, one encoder, one decoder.
 
-Why typed: the coordinator and the ranks exchange twelve kinds of message (docs/ARCHITECTURE.md,
+Why typed: the coordinator and the ranks exchange fourteen kinds of message (docs/ARCHITECTURE.md,
 "Control messages", says who sends each and when). As dicts dispatched by an ``op`` string, a
 misspelt key or a message sent the wrong way surfaced as a ``KeyError`` deep in a loop, far from the
 rank that sent it. Here every message names its fields and their types; :func:`decode` checks a
@@ -134,6 +134,20 @@ class Bye:
     sent_bytes: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """Every rank, every second (dflash.pipeline.abort.Heartbeat): it is alive. A rank silent for the
+    heartbeat timeout is dead, though its socket never closed (a killed host, a cut network)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A failing rank's last word, best effort (dflash.pipeline.rank.rank_main): its one-line error. The
+    coordinator then fails with it as the cause and closes every channel, so the other ranks leave at once."""
+
+    line: str
+
+
 # ------------------------------------------------------------------ coordinator -> rank
 @dataclass(frozen=True, slots=True)
 class Admit:
@@ -172,11 +186,11 @@ class NoWork:
     step: int | None
 
 
-ToCoordinator = Hello | NextItem | Ready | Closed | Request | Done | Bye
+ToCoordinator = Hello | NextItem | Ready | Closed | Request | Done | Bye | Beat | Failed
 ToRank = Admit | Send | Stop | Assign | NoWork
 Message = ToCoordinator | ToRank
 
-TO_COORDINATOR: tuple[type, ...] = (Hello, NextItem, Ready, Closed, Request, Done, Bye)
+TO_COORDINATOR: tuple[type, ...] = (Hello, NextItem, Ready, Closed, Request, Done, Bye, Beat, Failed)
 TO_RANK: tuple[type, ...] = (Admit, Send, Stop, Assign, NoWork)
 _BY_TAG: dict[str, type] = {cls.__name__: cls for cls in (*TO_COORDINATOR, *TO_RANK)}
 _PARTS = (ItemMeta, Incoming, TakeReport, TensorMeta)
@@ -267,6 +281,6 @@ def _short(value: Any, n: int = 80) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-__all__ = ["TO_COORDINATOR", "TO_RANK", "Admit", "Assign", "Bye", "Closed", "Done", "Hello", "Incoming", "ItemMeta",
-           "Message", "NextItem", "NoWork", "ProtocolError", "Ready", "Request", "Send", "Stop", "TakeReport",
-           "ToCoordinator", "ToRank", "decode", "encode"]
+__all__ = ["TO_COORDINATOR", "TO_RANK", "Admit", "Assign", "Beat", "Bye", "Closed", "Done", "Failed", "Hello",
+           "Incoming", "ItemMeta", "Message", "NextItem", "NoWork", "ProtocolError", "Ready", "Request", "Send", "Stop",
+           "TakeReport", "ToCoordinator", "ToRank", "decode", "encode"]

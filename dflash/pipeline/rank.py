@@ -37,9 +37,11 @@ import torch.distributed as dist
 from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 from dflash.core.precision import autocast_on, state_dtype_name
-from dflash.pipeline.channel import Channel, connect
+from dflash.pipeline.abort import FAILURE, AbortOnPeerFailure, Heartbeat
+from dflash.pipeline.channel import Channel, ChannelError, connect
 from dflash.pipeline.context import Corpus, DrafterContext, RankContext, Signals, Start, StopRule
 from dflash.pipeline.hostmem import HostMemory
+from dflash.pipeline.messages import Beat, Failed
 from dflash.pipeline.roles import (
     DATA_NCCL,
     FALLBACK,
@@ -102,12 +104,15 @@ def rank_main(spec: RunSpec) -> int:
     (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     status = Status(out / RANKS_DIR / f"rank-{rank}.status", rank)
-    try:
-        roles = roles_from_env(spec.cfg)
-        rr = RankRun(spec, roles, status)
-        code = rr.run()
-    except BaseException as exc:
-        _report_failure(out, rank, spec, status, exc)
+    rr: RankRun | None = None
+
+    def fail(exc: BaseException) -> None:
+        """The rank's failure, from its main thread or from the abort watchdog (dflash.pipeline.abort)."""
+        line = _report_failure(out, rank, spec, status, exc)
+        channel = getattr(rr, "channel", None)
+        if channel is not None:  # tell the coordinator: it fails with this cause and every rank leaves at once
+            with contextlib.suppress(ChannelError, OSError):
+                channel.send(Failed(line))
         # No teardown: a failed rank's peers are gone or going, and tearing down a process group with a
         # transfer still posted (a sharing plane's ack from a killed drafter, say) aborts in C++
         # ("terminate called without an active exception"), a second, misleading error. The launcher
@@ -118,6 +123,21 @@ def rank_main(spec: RunSpec) -> int:
         if not isinstance(exc, ConfigError):
             time.sleep(FAILED_RANK_GRACE_S)
         os._exit(2 if isinstance(exc, ConfigError) else 1)
+
+    FAILURE.install(fail)
+    try:
+        roles = roles_from_env(spec.cfg)
+        rr = RankRun(spec, roles, status)
+        code = rr.run()
+    except BaseException as exc:
+        if not FAILURE.claim():  # the watchdog is already reporting a thread's failure: it ends the process
+            time.sleep(3600)
+        fail(exc)
+    if FAILURE.error is not None:  # a thread failed while the loop finished: the rank failed all the same
+        if not FAILURE.claim():
+            time.sleep(3600)
+        fail(FAILURE.error)
+    assert rr is not None  # every other way out of the try ended the process
     status.flush()
     if rr.signals.name is not None:  # the launcher is shutting down and waits for this process: leave now
         sys.stdout.flush()
@@ -134,7 +154,7 @@ class CoordinatorFailed(RuntimeError):
         self.t = t
 
 
-def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: BaseException) -> None:
+def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: BaseException) -> str:
     """One line for the launcher (the rank's .error file) and, under torchrun, on stderr."""
     role = "target" if rank < spec.cfg.cluster.n_target else "drafter"
     what = exc.line() if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
@@ -143,13 +163,31 @@ def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: Ba
         tb = out / RANKS_DIR / f"rank-{rank}.traceback"
         tb.write_text(f"{line}\n\n" + "".join(traceback.format_exception(exc)))
         line += f" (traceback: {tb})"
-    t = getattr(exc, "t", None) or time.time()  # a coordinator failure dates from its thread, before its peers'
+    # a coordinator failure dates from its thread, before its peers'; a thread's failure from when it happened
+    t = getattr(exc, "t", None) or (FAILURE.t if FAILURE.error is exc else None) or time.time()
     (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": t, "line": line,
                                                                       "config": isinstance(exc, ConfigError)}))
     status(f"failed: {what}")
     status.flush()
     if not os.environ.get(LAUNCHED_BY_DFLASH):  # under torchrun nobody else prints it
         print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
+    return line
+
+
+def _leave_for_peer(out: Path, rank: int, status: Status, why: str) -> None:
+    """A peer failed and the launcher stops this rank (dflash.pipeline.abort.AbortOnPeerFailure): leave now,
+    with an error line dated now (later than the cause's, so the launcher still names the cause)."""
+    if not FAILURE.claim():
+        return
+    line = f"rank {rank} (pid {os.getpid()}): {why}"
+    with contextlib.suppress(OSError):
+        (out / RANKS_DIR / f"rank-{rank}.error").write_text(json.dumps({"t": time.time(), "line": line,
+                                                                          "config": False}))
+    status(f"left: {why}")
+    status.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def archive_tracebacks(ranks_dir: Path, rank: int | None = None) -> None:
@@ -213,6 +251,8 @@ class RankRun:
             torch.set_num_threads(self.cfg.train.cpu_threads
                                   or max(1, (os.cpu_count() or 2) // self.roles.local_world_size))
         self._install_signal_handlers()
+        AbortOnPeerFailure(self.out / RANKS_DIR, self.roles.rank,
+                           lambda why: _leave_for_peer(self.out, self.roles.rank, self.status, why)).install()
         self.status("joining the process group")
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=self.spec.pg_timeout_s))
@@ -229,6 +269,7 @@ class RankRun:
         dist.broadcast_object_list(box, src=self.roles.coordinator_rank)
         self.info = box[0]
         self.channel = connect(self.info["host"], self.info["port"], self.roles.rank, self.spec.wait_s)
+        heartbeat = Heartbeat(lambda: self.channel.send(Beat())).start()  # its silence: a dead rank (abort.py)
         self.ctx = RankContext(self.cfg, self.roles, self.out, self.device, self.plane, self.channel, self.status,
                                self.progress, self.spec.wait_s, StopRule(self.cfg.train, self.roles.is_coordinator,
                                                                          self.signals), self.gpu_samples)
@@ -247,6 +288,7 @@ class RankRun:
                 # the host's coordinator thread failed first: that is the cause, not the channel it closed
                 raise CoordinatorFailed(failed, self.service.error_t) from failed
         memory.after()
+        heartbeat.stop()
         dist.destroy_process_group()  # only after a clean run: a failure leaves without teardown (rank_main)
         return 0
 

@@ -26,7 +26,8 @@ from dflash.core.queue_core import QueueItem
 from dflash.core.records import RecordWriter
 from dflash.core.sampler import Sampler
 from dflash.pipeline import messages as m
-from dflash.pipeline.channel import Hub
+from dflash.pipeline.abort import FAILURE, heartbeat_timeout_s
+from dflash.pipeline.channel import ChannelError, Hub
 from dflash.pipeline.checkpoint import ControlWatch, ItemFeed, rejected_change
 from dflash.pipeline.coordinator import Admit, Assignment, Coordinator, NoWork
 from dflash.pipeline.faults import fault
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
     from dflash.core.autopilot import Autopilot
 
 CONTROL_POLL_S = 0.25  # how often the control file is read (between takes)
+
+
+class RankFailed(RuntimeError):
+    """A rank told the coordinator it failed (:class:`~dflash.pipeline.messages.Failed`): the run aborts."""
 
 
 @dataclasses.dataclass
@@ -186,13 +191,19 @@ class CoordinatorService:
 
     def _main(self) -> None:
         try:
+            silent_s = heartbeat_timeout_s()
             self.hub.accept(list(range(self.roles.world_size)), self.wait_s)
+            seen = dict.fromkeys(range(self.roles.world_size), time.monotonic())  # each rank's last message
             self._write_control_start()
             self._apply_control(step=None, at_start=True)
             while len(self._byes) < self.roles.world_size:
                 msgs = self.hub.poll(0.05)
                 if msgs:
                     fault("coordinator.handle")
+                now = time.monotonic()
+                for rank, _ in msgs:
+                    seen[rank] = now
+                self._check_alive(seen, now, silent_s)
                 with self._lock:
                     self._handle(msgs)
                     self._lock.notify_all()
@@ -200,10 +211,19 @@ class CoordinatorService:
             self.error, self.error_t = exc, time.time()
             with self._lock:
                 self._lock.notify_all()
+            FAILURE.fail(exc, "the coordinator thread")  # the host rank leaves, even if its main thread is blocked
         finally:
             self.records.close()
             self.ledger.close()
             self.hub.close()
+
+    def _check_alive(self, seen: dict[int, float], now: float, silent_s: float) -> None:
+        """A rank that has not said bye and sent nothing, not even a heartbeat, for ``silent_s`` is dead:
+        its socket never closed (a killed host, a cut network), so only its silence tells."""
+        for rank, t in seen.items():
+            if rank not in self._byes and now - t > silent_s:
+                raise ChannelError(f"rank {rank} sent nothing, not even a heartbeat, for {now - t:.0f} s: it is dead "
+                                   f"or cut off (the heartbeat timeout, DFLASH_HEARTBEAT_S, is {silent_s:g} s)")
 
     # ------------------------------------------------------------------ messages
     def _handle(self, msgs: list[tuple[int, m.Message]]) -> None:
@@ -235,6 +255,10 @@ class CoordinatorService:
                 self._on_done(rank, msg, t)
             case m.Bye():
                 self._on_bye(rank, msg, t)
+            case m.Beat():
+                pass  # alive: its time is noted in _main
+            case m.Failed(line=line):  # the cause: fail now and close every channel, so every rank leaves
+                raise RankFailed(f"rank {rank} failed: {line}")
             case _:
                 role = "producer" if producer else "drafter"
                 raise m.ProtocolError(f"rank {rank} ({role}) sent {type(msg).__name__}, which a {role} never sends")

@@ -182,13 +182,20 @@ class NvmlSampler:
 
     # ---------------------------------------------------------------- internals
     def _loop(self) -> None:
-        while True:
-            try:
-                self.sample_now()
-            except Exception as exc:  # never let telemetry take the run down
-                self._warn_sample(exc)
-            if self._stop.wait(self.interval_s):
-                return
+        from dflash.pipeline.abort import handed_off
+        from dflash.pipeline.faults import fault
+
+        # NVML failing to read a GPU is expected (a warning, and the next sample); anything else that ends the
+        # thread (its own code, a BaseException) is the rank's failure, never a silent stop (dflash.pipeline.abort)
+        with handed_off("the telemetry thread"):
+            while True:
+                try:
+                    self.sample_now()
+                except Exception as exc:  # never let NVML take the run down
+                    self._warn_sample(exc)
+                fault("telemetry.sample")
+                if self._stop.wait(self.interval_s):
+                    return
 
     def _read(self, index: int, handle: Any, t: float) -> dict[str, Any]:
         nv = self._nvml

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from dflash.core.sampler import ItemSpec
 from dflash.model.flops import StepCounts, train_flops
+from dflash.pipeline.abort import FAILURE, handed_off
 from dflash.pipeline.channel import Channel, ChannelError
 from dflash.pipeline.faults import fault
 from dflash.pipeline.messages import (
@@ -120,9 +121,12 @@ class Status:
             pass
 
     def _loop(self) -> None:
-        while True:
-            self.flush()
-            time.sleep(self.INTERVAL_S)
+        with handed_off("the status thread"):  # its failure is the rank's (dflash.pipeline.abort)
+            while True:
+                if self._what != self._written:
+                    fault("status.write")  # counted per write, so a pass number follows the rank's progress
+                self.flush()
+                time.sleep(self.INTERVAL_S)
 
 
 def _use_device(device: torch.device) -> None:
@@ -213,11 +217,14 @@ class Producer:
                     case other:
                         raise ProtocolError(f"a producer got {type(other).__name__} from {self.ch.peer}")
         except (ChannelError, OSError) as exc:
-            self._replies.put(ChannelError(f"lost the coordinator: {exc}"))
+            lost = ChannelError(f"lost the coordinator: {exc}")
+            self._replies.put(lost)
             self._sends.put(None)
+            FAILURE.fail(lost, "the producer's reader")  # the watchdog, should the owner be blocked elsewhere
         except BaseException as exc:  # anything else (CUDA OOM taking a pool buffer, NCCL, IPC): the owner raises it
             self._replies.put(exc)
             self._sends.put(None)
+            FAILURE.fail(exc, "the producer's reader")
 
     def _send_loop(self) -> None:
         """Waits for this rank's posted sends, in increasing round order (the order the coordinator assigned)."""
@@ -231,6 +238,7 @@ class Producer:
         except BaseException as exc:  # surfaced by run()
             self.errors.append(exc)
             self._replies.put(exc)
+            FAILURE.fail(exc, "the producer's sender")
 
 
 # ====================================================================== drafter
@@ -335,6 +343,7 @@ class DrafterWorker:
             res.n_items += 1
             res.real_tokens += real
             del out, hidden, input_ids, attention_mask, loss_mask, tensors
+            fault("drafter.release")
             self.transport.release(lease)  # the backward is done: the buffer may take the next item
         res.stages["drafter_compute_s"] = take["compute_s"]  # forward + backward (the take record's compute_s)
         return TakeReport(**{**take, "item_ids": tuple(take["item_ids"])})
