@@ -151,11 +151,17 @@ def run_shape(name: str, steps: int, plane: str | None) -> dict[str, Any]:
     if plane:
         env["DFLASH_DATA_PLANE"] = plane
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(cfg_path), "--out",
-                           str(work / "run"), "--max-steps", str(steps), "--nproc-per-node", "2", "--wandb",
-                           "disabled"], cwd=work, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg_path), "--out",
+                             str(work / "run"), "--max-steps", str(steps), "--nproc-per-node", "2", "--wandb",
+                             "disabled"], cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trace = _trace(proc) if os.environ.get("RANK_MEMORY_TRACE") else None
+    _, err = proc.communicate(timeout=1800)
+    if trace is not None:
+        trace.stop = True
+        (work / "trace.json").write_text(json.dumps(trace.rows))
+        print(f"trace: {work / 'trace.json'}", file=sys.stderr)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name}: dflash train failed: {proc.stderr.strip().splitlines()[-1:]} ({work})")
+        raise RuntimeError(f"{name}: dflash train failed: {err.strip().splitlines()[-1:]} ({work})")
     cfg = load_config(cfg_path)
     sharing = (plane or "shm") == "shm"
     model_by_role = {"target": target_device(cfg, on_gpu=False, sharing=sharing),
@@ -167,6 +173,42 @@ def run_shape(name: str, steps: int, plane: str | None) -> dict[str, Any]:
         out[rec["role"]] = {"measured": rec["loop_peak_bytes"], "model": loop_bytes(dev),
                             "parts": {k: v for k, v in dev.parts}}
     return out
+
+
+class _Tracer:
+    stop = False
+    rows: list[Any]
+
+
+def _trace(proc: subprocess.Popen[str]) -> _Tracer:
+    """Samples every descendant's /proc/PID/status (VmHWM, VmRSS, RssAnon, RssFile, RssShmem) every 20 ms."""
+    import threading
+
+    import psutil
+
+    tr = _Tracer()
+    tr.rows = []
+    keys = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+    def loop() -> None:
+        root = psutil.Process(proc.pid)
+        t0 = time.perf_counter()
+        while not tr.stop and proc.poll() is None:
+            try:
+                kids = root.children(recursive=True)
+            except psutil.Error:
+                break
+            for k in kids:
+                try:
+                    with open(f"/proc/{k.pid}/status") as f:
+                        rec = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.split(":")[0] in keys}
+                    tr.rows.append([round(time.perf_counter() - t0, 3), k.pid, rec])
+                except (OSError, ValueError, IndexError):
+                    pass
+            time.sleep(0.02)
+
+    threading.Thread(target=loop, daemon=True).start()
+    return tr
 
 
 def main() -> None:

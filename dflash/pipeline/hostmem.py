@@ -3,8 +3,11 @@
 Why here: the memory model (:mod:`dflash.core.memory_model`) predicts what a rank allocates once it
 trains; the honest measurement is the kernel's own peak resident size (``VmHWM``) of the rank process
 after the loop minus the same figure just before the first step (what loading left behind is not the
-loop's). Each rank writes ``RUN/.ranks/rank-N.memory.json`` with both and its resident size then
-(``VmRSS``); ``benchmarks/rank_memory.py`` reads them. Linux only (``/proc/self/status``); elsewhere
+loop's). A drafter rank also records ``VmHWM`` after each step (:meth:`HostMemory.each_step`): its
+figure is the peak over its steps, without what the run's end does once (the final checkpoint, the
+records' Parquet export, which imports pyarrow: ~50 MiB of a small job's drafter rank, measured). Each
+rank writes ``RUN/.ranks/rank-N.memory.json`` with these and its resident size then (``VmRSS``);
+``benchmarks/rank_memory.py`` reads them. Linux only (``/proc/self/status``); elsewhere
 nothing is written. GPU memory is not here: ``torch.cuda.max_memory_allocated`` is the GPU's figure.
 """
 
@@ -13,17 +16,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+STATUS_KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")  # peak, resident, and resident by kind
 
 
 def status_bytes() -> dict[str, int]:
-    """``VmHWM`` and ``VmRSS`` of this process in bytes (empty where /proc is missing)."""
+    """``VmHWM``, ``VmRSS`` and the resident size by kind (anonymous, file pages, shared memory) of this
+    process in bytes (empty where /proc is missing)."""
     out: dict[str, int] = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
                 key, _, rest = line.partition(":")
-                if key in ("VmHWM", "VmRSS"):
+                if key in STATUS_KEYS:
                     out[key] = int(rest.split()[0]) * 1024
     except OSError:
         return {}
@@ -31,20 +40,35 @@ def status_bytes() -> dict[str, int]:
 
 
 class HostMemory:
-    """``before()`` just before the first step, ``after()`` once the loop is done; writes the JSON."""
+    """``before()`` just before the first step, ``each_step`` around the step, ``after()`` once the loop is
+    done; writes the JSON. ``loop_peak_bytes``: the peak over the steps where steps were recorded, else
+    over the whole loop; ``run_peak_bytes``: over the whole loop, its end included."""
 
     def __init__(self, ranks_dir: Path, rank: int, role: str) -> None:
         self.path = ranks_dir / f"rank-{rank}.memory.json"
         self.record: dict[str, Any] = {"rank": rank, "role": role, "pid": os.getpid()}
+        self.step_hwm: list[int] = []
 
     def before(self) -> None:
         self.record["before_first_step"] = status_bytes()
+
+    def each_step(self, step: Callable[..., T]) -> Callable[..., T]:
+        """``step`` that records the process's ``VmHWM`` once it returns (a read of /proc: ~20 us)."""
+        def recorded(*args: Any, **kwargs: Any) -> T:
+            out = step(*args, **kwargs)
+            hwm = status_bytes().get("VmHWM")
+            if hwm is not None:
+                self.step_hwm.append(hwm)
+            return out
+        return recorded
 
     def after(self) -> None:
         self.record["after_loop"] = status_bytes()
         start, end = self.record.get("before_first_step", {}), self.record["after_loop"]
         if "VmHWM" in start and "VmHWM" in end:
-            self.record["loop_peak_bytes"] = end["VmHWM"] - start["VmHWM"]
+            self.record["run_peak_bytes"] = end["VmHWM"] - start["VmHWM"]
+            self.record["step_peak_bytes"] = [h - start["VmHWM"] for h in self.step_hwm]
+            self.record["loop_peak_bytes"] = (max(self.step_hwm) if self.step_hwm else end["VmHWM"]) - start["VmHWM"]
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(self.record))

@@ -233,7 +233,8 @@ class RankRun:
                                self.progress, self.spec.wait_s, StopRule(self.cfg.train, self.roles.is_coordinator,
                                                                          self.signals), self.gpu_samples)
         self.corpus = Corpus(self.target, self.data, self.sampler, tuple(self.layer_ids))
-        memory = HostMemory(self.out / RANKS_DIR, self.roles.rank, "target" if self.roles.is_target else "drafter")
+        self.memory = memory = HostMemory(self.out / RANKS_DIR, self.roles.rank,
+                                          "target" if self.roles.is_target else "drafter")
         memory.before()  # the memory model is checked against the loop's own peak (dflash/pipeline/hostmem.py)
         if self.roles.is_target:
             self._run_producer()
@@ -364,6 +365,7 @@ class RankRun:
                                device=self.device, seed=self.cfg.seed, grad_clip=self.cfg.train.grad_clip,
                                autocast=self.autocast, wait_s=self.spec.wait_s, check=self.spec.check_transfers,
                                status=self.status, verify_ids=self._verify_ids if self.spec.check_transfers else None)
+        worker.step = self.memory.each_step(worker.step)  # type: ignore[method-assign]  # the per-step peak
         start = Start(int(self.info["start_step"]), str(self.info["run_id"]), self.info["checkpoint"])
         DrafterLoop(DrafterContext(self.ctx, self.corpus, self.drafter, self.optimizer, self.scheduler, start,
                                    self.spec.wandb, new_phase, self.service), worker).run()
