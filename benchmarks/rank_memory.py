@@ -65,6 +65,18 @@ def build_target(d: Path, s: dict[str, int]) -> Path:
     return d / "model"
 
 
+def target_params(s: dict[str, int]) -> int:
+    """Parameters of the random target the job loads (``memory.target_params``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
+                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+
+
 def conversations(path: Path, s: dict[str, int], n: int = 200) -> Path:
     rng = random.Random(0)
     with open(path, "w") as f:
@@ -94,7 +106,7 @@ def drafter_params(s: dict[str, int]) -> int:
     return sum(p.numel() for p in d.trainable_parameters())
 
 
-def config_text(s: dict[str, int], model: Path, data: Path, params: int) -> str:
+def config_text(s: dict[str, int], model: Path, data: Path, params: int, t_params: int) -> str:
     head = s["hidden"] // s["heads"]
     return f"""seed = 0
 [workload]
@@ -124,6 +136,7 @@ cpu_threads = 1
 hidden_size = {s["hidden"]}
 dtype_bytes = 4
 [memory]
+target_params = {t_params}
 drafter_params = {params}
 vocab_size = {s["vocab"]}
 intermediate_size = {s["inter"]}
@@ -145,7 +158,7 @@ def run_shape(name: str, steps: int, plane: str | None) -> dict[str, Any]:
     model = build_target(work, s)
     data = conversations(work / "data.jsonl", s)
     cfg_path = work / "run.toml"
-    cfg_path.write_text(config_text(s, model, data, drafter_params(s)))
+    cfg_path.write_text(config_text(s, model, data, drafter_params(s), target_params(s)))
     path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": path}
     if plane:

@@ -39,6 +39,29 @@ def status_bytes() -> dict[str, int]:
     return out
 
 
+def mapped_bytes() -> dict[str, int]:
+    """Resident bytes by what is mapped (``/proc/self/smaps``): torch's libraries (kernel code, paged in
+    the first time a kernel runs), checkpoint files (``*.safetensors``: a float32 CPU load maps them and
+    the pages a forward reads become resident), shared memory (the data plane's buffers), the rest
+    (heap and anonymous maps). Empty where /proc is missing; ~2 ms."""
+    out = {"torch libraries": 0, "checkpoint files": 0, "shared memory": 0, "anonymous": 0, "other files": 0}
+    kind = "anonymous"
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head, _, rest = line.partition(" ")
+                if head == "Rss:":
+                    out[kind] += int(rest.split()[0]) * 1024
+                elif "-" in head and not head.endswith(":"):
+                    path = line.split(maxsplit=5)[5].strip() if len(line.split(maxsplit=5)) > 5 else ""
+                    kind = ("torch libraries" if "/torch/lib/" in path else "checkpoint files"
+                            if path.endswith(".safetensors") else "shared memory" if path.startswith("/dev/shm")
+                            else "anonymous" if not path.startswith("/") else "other files")
+    except OSError:
+        return {}
+    return out
+
+
 class HostMemory:
     """``before()`` just before the first step, ``each_step`` around the step, ``after()`` once the loop is
     done; writes the JSON. ``loop_peak_bytes``: the peak over the steps where steps were recorded, else
@@ -51,6 +74,7 @@ class HostMemory:
 
     def before(self) -> None:
         self.record["before_first_step"] = status_bytes()
+        self.record["mapped_before"] = mapped_bytes()
 
     def each_step(self, step: Callable[..., T]) -> Callable[..., T]:
         """``step`` that records the process's ``VmHWM`` once it returns (a read of /proc: ~20 us)."""
@@ -64,6 +88,7 @@ class HostMemory:
 
     def after(self) -> None:
         self.record["after_loop"] = status_bytes()
+        self.record["mapped_after"] = mapped_bytes()
         start, end = self.record.get("before_first_step", {}), self.record["after_loop"]
         if "VmHWM" in start and "VmHWM" in end:
             self.record["run_peak_bytes"] = end["VmHWM"] - start["VmHWM"]
@@ -74,6 +99,31 @@ class HostMemory:
             self.path.write_text(json.dumps(self.record))
         except OSError:
             pass  # a figure for checking the model, never a reason to fail the run
+
+
+MMAP_THRESHOLD_BYTES = 256 * 1024  # glibc: an allocation at least this large is its own map, unmapped when freed
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+
+
+def return_freed_memory() -> bool:
+    """Make glibc give a freed tensor's memory back at once (a CPU rank, before its first step). True if set.
+
+    Why: by default glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB),
+    so later blocks that size come from the heap, which keeps freed memory and fragments: a CPU drafter
+    rank's peak resident size then grows step after step, by up to 90 MiB above what its tensors ever
+    held at once (benchmarks/rank_memory.py, the "long" shape: 248 MiB after 6 steps against 166 MiB
+    with the threshold fixed; RESULTS.md). Fixed at 256 KiB, every tensor that size or larger is mapped
+    on its own and unmapped when freed, so the resident size follows what the step holds, and the memory
+    model (which counts tensors) can be held against it. The cost: the kernel zeroes a freed block's pages
+    again when the next step maps them. glibc only (Linux); elsewhere nothing changes."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
 
 
 def node_placement(cfg: Any, local_world_size: int, node_rank_offset: int = 0) -> list[tuple[str, str]]:
@@ -92,6 +142,16 @@ def node_placement(cfg: Any, local_world_size: int, node_rank_offset: int = 0) -
             break
         out.append((TARGET if rank < n_t else "drafter", device_for(local, cuda)))
     return out
+
+
+def check_node_fits(cfg: Any, local_world_size: int, *, force: bool = False, node_rank_offset: int = 0) -> None:
+    """The pre-flight of every verb that trains (``train``, ``validate``, ``demo``): each device of this node
+    holds the roles placed on it, against its own capacity, or ConfigError in one line naming the device,
+    the need and the capacity (exit 2); ``force`` (``--force``) is the one way past it."""
+    from dflash.core.memory_model import check_fits
+
+    placement = node_placement(cfg, local_world_size, node_rank_offset)
+    check_fits(cfg, placement, device_capacity([d for _, d in placement]), force=force)
 
 
 def device_capacity(devices: list[str]) -> dict[str, float]:

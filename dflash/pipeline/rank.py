@@ -39,7 +39,7 @@ from dflash.core.errors import ConfigError
 from dflash.core.precision import autocast_on, state_dtype_name
 from dflash.pipeline.channel import Channel, connect
 from dflash.pipeline.context import Corpus, DrafterContext, RankContext, Signals, Start, StopRule
-from dflash.pipeline.hostmem import HostMemory
+from dflash.pipeline.hostmem import HostMemory, return_freed_memory
 from dflash.pipeline.roles import (
     DATA_NCCL,
     FALLBACK,
@@ -212,6 +212,7 @@ class RankRun:
         else:
             torch.set_num_threads(self.cfg.train.cpu_threads
                                   or max(1, (os.cpu_count() or 2) // self.roles.local_world_size))
+            return_freed_memory()  # freed tensors go back to the system: the peak follows what a step holds
         self._install_signal_handlers()
         self.status("joining the process group")
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
