@@ -156,6 +156,11 @@ def test_roles_sharing_a_device_are_summed_and_the_devices_own_capacity_decides(
     line = str(err.value)
     assert "\n" not in line and f"cuda:0 needs {(t.total + d.total) / GIB:.1f} GiB" in line
     assert "target " in line and "drafter " in line and "holds" in line
+    host = per_device(cfg, shared)[1]  # the GPU ranks' host RAM: each process, the drafter's host tables
+    assert host.device == "host" and dict(host.roles[0].parts) == {"process": PROCESS_BYTES}
+    assert dict(host.roles[1].parts) == {"process": PROCESS_BYTES, "frozen embedding and head": 2 * 151936 * 4096 * 2}
+    with pytest.raises(ConfigError, match="host needs"):
+        check_fits(cfg, shared, {"cuda:0": t.total + d.total + 1, "host": host.total - 1})
     cpu = [("target", "cpu"), ("drafter", "cpu"), ("drafter", "cpu")]
     need = per_device(cfg, cpu)[0]
     assert need.device == "cpu" and len(need.roles) == 3

@@ -42,6 +42,7 @@ from dflash.core.errors import ConfigError
 GIB = 2**30
 MIB = 2**20
 TARGET, DRAFTER = "target", "drafter"
+HOST = "host"  # the node's host RAM, where GPU ranks keep their processes (a CPU rank's device is "cpu")
 POOL_BUFFERS = 4  # dflash.pipeline.transport.POOL_BUFFERS (this layer is torch-free; a test ties the two)
 CUDA_CONTEXT_BYTES = 0.5 * GIB  # per process on a GPU: CUDA context, cuBLAS/NCCL workspaces (unverified)
 ALLOCATOR_SLACK = 0.10  # the caching allocator's fragmentation, of what a GPU rank allocates (unverified)
@@ -303,6 +304,19 @@ def drafter_device(cfg: DflashConfig, hidden_bytes: float | None = None, *, on_g
     return DeviceMemory(DRAFTER, tuple(parts), tuple(missing))
 
 
+def host_memory(cfg: DflashConfig, role: str) -> DeviceMemory:
+    """Host RAM of a GPU rank (a CPU rank's host RAM is its device, :data:`PROCESS_BYTES` among its parts):
+    its process, and on a drafter rank the target's embedding and LM head it loaded on the host and keeps
+    for the run (``dflash/pipeline/rank.py`` ``_load``: read from the checkpoint, converted to the run's
+    dtype, copied to the device; the host copy stays referenced). A target rank loads straight onto its
+    device. Unverified on a GPU (the CUDA libraries' own host memory is not in it)."""
+    parts: list[tuple[str, float]] = [("process", float(PROCESS_BYTES))]
+    m = cfg.memory
+    if role == DRAFTER and m.vocab_size is not None:
+        parts.append(("frozen embedding and head", float(2 * m.vocab_size * cfg.timing.hidden_size * m.weight_bytes)))
+    return DeviceMemory(role, tuple(parts))
+
+
 def loop_bytes(dev: DeviceMemory) -> float:
     """What a rank's training loop adds above what it holds before the first step (the CPU-measurable
     figure: ``VmHWM`` after the loop minus ``VmHWM`` before it, dflash/pipeline/hostmem.py)."""
@@ -350,6 +364,8 @@ def per_device(cfg: DflashConfig, placement: list[tuple[str, str]], capacity: di
         dev = (target_device(cfg, on_gpu=on_gpu, sharing=sharing) if role == TARGET
                else drafter_device(cfg, on_gpu=on_gpu, sharing=sharing))
         by_dev.setdefault(device, []).append(dev)
+        if device.startswith("cuda"):  # a GPU rank's host RAM: the node's host holds every rank's (HOST)
+            by_dev.setdefault(HOST, []).append(host_memory(cfg, role))
     cap = capacity or {}
     return [DeviceNeed(d, tuple(roles), cap.get(d)) for d, roles in by_dev.items()]
 

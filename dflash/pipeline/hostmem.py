@@ -163,6 +163,7 @@ def device_capacity(devices: list[str]) -> dict[str, float]:
     for d in sorted(set(devices)):
         if d.startswith("cuda"):
             out[d] = float(torch.cuda.get_device_properties(int(d.partition(":")[2] or 0)).total_memory)
+            out["host"] = float(host_available_bytes())  # GPU ranks' host RAM (memory_model.HOST)
         else:
             out[d] = float(host_available_bytes())
     return out
