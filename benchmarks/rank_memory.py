@@ -1,12 +1,15 @@
 """The memory model against the ranks of a real ``dflash train`` job on the CPU (issue 33 item 4).
 
-Per rank, the measured figure is the process's ``VmHWM`` after its training loop minus its ``VmHWM``
-just before the first step (``RUN/.ranks/rank-N.memory.json``, dflash/pipeline/hostmem.py); the model's
-figure is :func:`dflash.core.memory_model.loop_bytes` of that rank's device (everything but the weights
-and the frozen tables, which exist before the first step), with the CPU's sizes (float32, no CUDA
-context, AdamW's two float32 moments). One target + one drafter rank, a random Llama of each shape
-with a word-level tokenizer, conversations long enough that every sequence fills ``max_len`` (the
-model's assumption: every item as large as the workload allows), a queue deep enough to fill.
+Per rank, the measured figure is the process's ``VmHWM`` at its peak over the steps (a drafter rank
+records it after each step; a target rank after its loop) minus its ``VmHWM`` just before the first step
+(``RUN/.ranks/rank-N.memory.json``, dflash/pipeline/hostmem.py); the model's figure is
+:func:`dflash.core.memory_model.loop_bytes` of that rank's device with the CPU's sizes (float32, no CUDA
+context, AdamW's two float32 moments): everything but what exists before the first step (the weights
+the loop never reads, the process). One target + one drafter rank, a random Llama of each shape with a
+word-level tokenizer, conversations long enough that every sequence fills ``max_len`` (the model's
+assumption: every item as large as the workload allows), a queue deep enough to fill.
+``RANK_MEMORY_TRACE=1`` also samples every rank's ``/proc/PID/status`` every 20 ms into ``trace.json``
+beside the run (the path is printed).
 
     python benchmarks/rank_memory.py                 # the three shapes, a table
     python benchmarks/rank_memory.py --shape small   # one

@@ -89,7 +89,6 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     clock = StageClock()
 
     from dflash.data.dataset_choice import pin_dataset
-
     from tuning.validation.job import preflight
 
     preflight(cfg, force=bool(args.force))  # before any stage: the calibration and validation jobs run here
