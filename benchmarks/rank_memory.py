@@ -152,12 +152,12 @@ activation_bytes = 4
 """
 
 
-def run_shape(name: str, steps: int, plane: str | None) -> dict[str, Any]:
+def run_shape(name: str, steps: int, plane: str | None, root: Path | None = None) -> dict[str, Any]:
     from dflash.core.config import load_config
     from dflash.core.memory_model import drafter_device, loop_bytes, target_device
 
     s = SHAPES[name]
-    work = Path(tempfile.mkdtemp(prefix=f"rank-memory-{name}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"rank-memory-{name}-", dir=root))
     model = build_target(work, s)
     data = conversations(work / "data.jsonl", s)
     cfg_path = work / "run.toml"
