@@ -47,7 +47,7 @@ POOL_BUFFERS = 4  # dflash.pipeline.transport.POOL_BUFFERS (this layer is torch-
 CUDA_CONTEXT_BYTES = 0.5 * GIB  # per process on a GPU: CUDA context, cuBLAS/NCCL workspaces (unverified)
 ALLOCATOR_SLACK = 0.10  # the caching allocator's fragmentation, of what a GPU rank allocates (unverified)
 # Host RAM of a rank process before its first step: Python, torch, transformers, the tokenizer, gloo, the data
-# set's index (measured on the CPU: 399-414 MiB VmRSS per rank, benchmarks/rank_memory.py; on a GPU node the
+# set's index (measured on the CPU: 399-413 MiB VmRSS per rank, benchmarks/rank_memory.py; on a GPU node the
 # CUDA libraries add to it: unverified)
 PROCESS_BYTES = 400 * MIB
 # torch's kernel code a CPU rank's first step pages in (resident pages of torch/lib/*.so, /proc/self/smaps,
