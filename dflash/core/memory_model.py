@@ -17,14 +17,19 @@ drafter takes them (docs/ARCHITECTURE.md, distributed pipeline). So a device's b
   - the **draft layers' saved activations** for anchors x block query positions and the
     ``[context ; blocks]`` key/value positions, plus the attention mask (:func:`activation_bytes`).
 
-Beyond these (issue 33): the **pooled buffers** of the data plane (:data:`POOL_BUFFERS` of the largest
-item: the producer's send pool on a sharing plane, the drafter's receive pool on a copying one), the
-target's **capture forward** (:func:`target_forward_bytes`), and on a GPU the **CUDA context** and the
-caching allocator's **slack** (:data:`CUDA_CONTEXT_BYTES`, :data:`ALLOCATOR_SLACK`: not measured yet,
-see docs/ARCHITECTURE.md). Roles that share one device are summed there (:func:`per_device`), and
-:func:`check_fits` holds each device against its capacity (the device's own, given by the caller).
-The CPU-measurable part of a rank is what its training loop adds (:func:`loop_bytes`): everything but
-the parts already there before the first step (:data:`AT_START`).
+Beyond these (issue 33): the **pooled buffers** of the data plane, one per item in flight
+(:func:`pool_buffers`: the producer's send pool on a sharing plane, the drafter's receive pool on a
+copying one), the target's **capture forward** (:func:`target_forward_bytes`), and on a GPU the **CUDA
+context** and the caching allocator's **slack** (:data:`CUDA_CONTEXT_BYTES`, :data:`ALLOCATOR_SLACK`: not
+measured yet, see docs/ARCHITECTURE.md). A **CPU rank** also counts what its loop pages in (the weights
+its forward reads from the memory-mapped checkpoint, :func:`target_paged_bytes`; the drafter's frozen
+tables; torch's kernel code, :data:`KERNEL_CODE_BYTES`) and its process (:data:`PROCESS_BYTES`: the
+host RAM of a rank, which on the CPU is its device); a GPU rank's host RAM is :func:`host_memory`.
+Roles that share one device are summed there (:func:`per_device`, the GPU ranks' host RAM on the device
+:data:`HOST`), and :func:`check_fits` holds each device against its capacity (the device's own, given by
+the caller). The CPU-measurable part of a rank is what its training loop adds (:func:`loop_bytes`):
+everything but the parts already there before the first step (:data:`AT_START`); benchmarks/rank_memory.py
+holds it within 10% of three shapes' ranks.
 
 A static check (no simulation) assumes the queue's items spread evenly over producers and that an
 item is as large as the workload allows (``max_len`` per sequence); the simulator passes the peaks
@@ -207,8 +212,8 @@ def target_layer_params(cfg: DflashConfig) -> int | None:
 
 
 def target_paged_bytes(cfg: DflashConfig) -> float | None:
-    """What a CPU target rank's capture forward reads of its weights: the embedding table and every layer up
-    to the deepest captured one (``capture_layer_ids``: layer L - 3 for K >= 2, L // 2 for K = 1).
+    """What a CPU target rank's capture forward reads of its weights: one item's embedding rows and every
+    layer up to the deepest captured one (``capture_layer_ids``: layer L - 3 for K >= 2, L // 2 for K = 1).
 
     Why it is the loop's: a float32 CPU load keeps the checkpoint's safetensors memory-mapped, so a weight
     becomes resident (file pages, counted in ``VmRSS``) only when a forward first reads it; the layers past
@@ -319,7 +324,7 @@ def host_memory(cfg: DflashConfig, role: str) -> DeviceMemory:
 
 def loop_bytes(dev: DeviceMemory) -> float:
     """What a rank's training loop adds above what it holds before the first step (the CPU-measurable
-    figure: ``VmHWM`` after the loop minus ``VmHWM`` before it, dflash/pipeline/hostmem.py)."""
+    figure: the peak ``VmHWM`` over the steps minus ``VmHWM`` before the first, dflash/pipeline/hostmem.py)."""
     return float(sum(b for name, b in dev.parts if name not in AT_START))
 
 
