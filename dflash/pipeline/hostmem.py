@@ -104,6 +104,7 @@ class HostMemory:
 
 MMAP_THRESHOLD_BYTES = 256 * 1024  # glibc: an allocation at least this large is its own map, unmapped when freed
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+KEEP_FREED_ENV = "DFLASH_KEEP_FREED_MEMORY"  # =1: leave glibc's default (see return_freed_memory)
 
 
 def return_freed_memory() -> bool:
@@ -115,11 +116,15 @@ def return_freed_memory() -> bool:
     held at once (benchmarks/rank_memory.py, the "long" shape: 248 MiB after 6 steps against 166 MiB
     with the threshold fixed; RESULTS.md). Fixed at 256 KiB, every tensor that size or larger is mapped
     on its own and unmapped when freed, so the resident size follows what the step holds, and the memory
-    model (which counts tensors) can be held against it. The cost: the kernel zeroes a freed block's pages
-    again when the next step maps them. glibc only (Linux); elsewhere nothing changes."""
+    model (which counts tensors) can be held against it. The cost: each step faults its large blocks in
+    again (measured in-process, CPU seconds per drafter step, loaded machine: +16% on the long shape, +33%
+    on the wide one; RESULTS.md). ``DFLASH_KEEP_FREED_MEMORY=1`` keeps glibc's default (faster steps, a
+    peak above the model's). glibc only (Linux); elsewhere nothing changes."""
     import ctypes
     import ctypes.util
 
+    if os.environ.get(KEEP_FREED_ENV, "") not in ("", "0"):
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
