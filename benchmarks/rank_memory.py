@@ -1,12 +1,15 @@
 """The memory model against the ranks of a real ``dflash train`` job on the CPU (issue 33 item 4).
 
-Per rank, the measured figure is the process's ``VmHWM`` after its training loop minus its ``VmHWM``
-just before the first step (``RUN/.ranks/rank-N.memory.json``, dflash/pipeline/hostmem.py); the model's
-figure is :func:`dflash.core.memory_model.loop_bytes` of that rank's device (everything but the weights
-and the frozen tables, which exist before the first step), with the CPU's sizes (float32, no CUDA
-context, AdamW's two float32 moments). One target + one drafter rank, a random Llama of each shape
-with a word-level tokenizer, conversations long enough that every sequence fills ``max_len`` (the
-model's assumption: every item as large as the workload allows), a queue deep enough to fill.
+Per rank, the measured figure is the process's ``VmHWM`` at its peak over the steps (a drafter rank
+records it after each step; a target rank after its loop) minus its ``VmHWM`` just before the first step
+(``RUN/.ranks/rank-N.memory.json``, dflash/pipeline/hostmem.py); the model's figure is
+:func:`dflash.core.memory_model.loop_bytes` of that rank's device with the CPU's sizes (float32, no CUDA
+context, AdamW's two float32 moments): everything but what exists before the first step (the weights
+the loop never reads, the process). One target + one drafter rank, a random Llama of each shape with a
+word-level tokenizer, conversations long enough that every sequence fills ``max_len`` (the model's
+assumption: every item as large as the workload allows), a queue deep enough to fill.
+``RANK_MEMORY_TRACE=1`` also samples every rank's ``/proc/PID/status`` every 20 ms into ``trace.json``
+beside the run (the path is printed).
 
     python benchmarks/rank_memory.py                 # the three shapes, a table
     python benchmarks/rank_memory.py --shape small   # one
@@ -65,6 +68,18 @@ def build_target(d: Path, s: dict[str, int]) -> Path:
     return d / "model"
 
 
+def target_params(s: dict[str, int]) -> int:
+    """Parameters of the random target the job loads (``memory.target_params``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
+                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+
+
 def conversations(path: Path, s: dict[str, int], n: int = 200) -> Path:
     rng = random.Random(0)
     with open(path, "w") as f:
@@ -94,7 +109,7 @@ def drafter_params(s: dict[str, int]) -> int:
     return sum(p.numel() for p in d.trainable_parameters())
 
 
-def config_text(s: dict[str, int], model: Path, data: Path, params: int) -> str:
+def config_text(s: dict[str, int], model: Path, data: Path, params: int, t_params: int) -> str:
     head = s["hidden"] // s["heads"]
     return f"""seed = 0
 [workload]
@@ -124,6 +139,7 @@ cpu_threads = 1
 hidden_size = {s["hidden"]}
 dtype_bytes = 4
 [memory]
+target_params = {t_params}
 drafter_params = {params}
 vocab_size = {s["vocab"]}
 intermediate_size = {s["inter"]}
@@ -136,26 +152,34 @@ activation_bytes = 4
 """
 
 
-def run_shape(name: str, steps: int, plane: str | None) -> dict[str, Any]:
+def run_shape(name: str, steps: int, plane: str | None, root: Path | None = None) -> dict[str, Any]:
     from dflash.core.config import load_config
     from dflash.core.memory_model import drafter_device, loop_bytes, target_device
 
     s = SHAPES[name]
-    work = Path(tempfile.mkdtemp(prefix=f"rank-memory-{name}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"rank-memory-{name}-", dir=root))
     model = build_target(work, s)
     data = conversations(work / "data.jsonl", s)
     cfg_path = work / "run.toml"
-    cfg_path.write_text(config_text(s, model, data, drafter_params(s)))
+    cfg_path.write_text(config_text(s, model, data, drafter_params(s), target_params(s)))
     path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": path}
+    # freed tensors go back to the system, so a rank's peak follows what its step holds (hostmem.return_freed_memory;
+    # off by default in the trainer: it costs ~20% CPU time per step)
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": path, "DFLASH_RETURN_FREED_MEMORY": "1"}
     if plane:
         env["DFLASH_DATA_PLANE"] = plane
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(cfg_path), "--out",
-                           str(work / "run"), "--max-steps", str(steps), "--nproc-per-node", "2", "--wandb",
-                           "disabled"], cwd=work, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg_path), "--out",
+                             str(work / "run"), "--max-steps", str(steps), "--nproc-per-node", "2", "--wandb",
+                             "disabled"], cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trace = _trace(proc) if os.environ.get("RANK_MEMORY_TRACE") else None
+    _, err = proc.communicate(timeout=1800)
+    if trace is not None:
+        trace.stop = True
+        (work / "trace.json").write_text(json.dumps(trace.rows))
+        print(f"trace: {work / 'trace.json'}", file=sys.stderr)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name}: dflash train failed: {proc.stderr.strip().splitlines()[-1:]} ({work})")
+        raise RuntimeError(f"{name}: dflash train failed: {err.strip().splitlines()[-1:]} ({work})")
     cfg = load_config(cfg_path)
     sharing = (plane or "shm") == "shm"
     model_by_role = {"target": target_device(cfg, on_gpu=False, sharing=sharing),
@@ -167,6 +191,42 @@ def run_shape(name: str, steps: int, plane: str | None) -> dict[str, Any]:
         out[rec["role"]] = {"measured": rec["loop_peak_bytes"], "model": loop_bytes(dev),
                             "parts": {k: v for k, v in dev.parts}}
     return out
+
+
+class _Tracer:
+    stop = False
+    rows: list[Any]
+
+
+def _trace(proc: subprocess.Popen[str]) -> _Tracer:
+    """Samples every descendant's /proc/PID/status (VmHWM, VmRSS, RssAnon, RssFile, RssShmem) every 20 ms."""
+    import threading
+
+    import psutil
+
+    tr = _Tracer()
+    tr.rows = []
+    keys = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+    def loop() -> None:
+        root = psutil.Process(proc.pid)
+        t0 = time.perf_counter()
+        while not tr.stop and proc.poll() is None:
+            try:
+                kids = root.children(recursive=True)
+            except psutil.Error:
+                break
+            for k in kids:
+                try:
+                    with open(f"/proc/{k.pid}/status") as f:
+                        rec = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.split(":")[0] in keys}
+                    tr.rows.append([round(time.perf_counter() - t0, 3), k.pid, rec])
+                except (OSError, ValueError, IndexError):
+                    pass
+            time.sleep(0.02)
+
+    threading.Thread(target=loop, daemon=True).start()
+    return tr
 
 
 def main() -> None:

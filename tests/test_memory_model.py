@@ -3,6 +3,8 @@ CPU training step (fresh process, peak resident size), and its chunk and activat
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks.loss_memory import MODEL_CASE, measure, model_prediction
@@ -83,3 +85,32 @@ def test_new_memory_keys_are_validated():
             config_from_dict({"memory": {key: bad}})
     with pytest.raises(ConfigError, match=r"drafter\.checkpoint_layers"):
         config_from_dict({"drafter": {"checkpoint_layers": "yes"}})
+
+
+@pytest.mark.slow
+def test_the_model_holds_a_real_cpu_jobs_ranks(tmp_path):
+    """Issue 33: a real 1 + 1 ``dflash train`` job on the CPU (benchmarks/rank_memory.py, the small shape), each
+    rank's peak over its steps above its peak before the first, against the model's ``loop_bytes``. The
+    larger terms are each over 15% of a rank's figure here (target: kernel code, weights paged in, capture
+    forward, held items; drafter: kernel code, logits chunk, activations): leaving one out fails. Every
+    term, the small ones too, is held by hand in tests/test_split_memory.py."""
+    from benchmarks.rank_memory import run_shape
+
+    got = run_shape("small", steps=4, plane=None, root=tmp_path)
+    for role in ("target", "drafter"):
+        ratio = got[role]["model"] / got[role]["measured"]
+        # 15%, not the benchmark's 10%: the small target's figure (~18 MiB) moved by 2 MiB between runs
+        # (17.2-19.5 MiB measured); the smallest term the bound guards, the paged-in weights, is 17% of it
+        assert 0.85 <= ratio <= 1.15, (role, got[role])
+
+
+def test_cpu_ranks_keep_glibcs_default_unless_asked_to_return_freed_memory(monkeypatch):
+    """Returning freed memory at once costs a CPU target forward 1.09x and a drafter step up to 1.37x
+    (benchmarks/freed_memory_cost.py, RESULTS.md), so a rank does it only when asked; rank_memory.py asks."""
+    from dflash.pipeline.hostmem import RETURN_FREED_ENV, return_freed_memory
+
+    monkeypatch.delenv(RETURN_FREED_ENV, raising=False)
+    assert return_freed_memory() is False
+    monkeypatch.setenv(RETURN_FREED_ENV, "0")
+    assert return_freed_memory() is False
+    assert RETURN_FREED_ENV in (Path(__file__).resolve().parents[1] / "benchmarks" / "rank_memory.py").read_text()

@@ -17,6 +17,7 @@ from dflash.core.memory_model import (
     CUDA_CONTEXT_BYTES,
     GIB,
     POOL_BUFFERS,
+    PROCESS_BYTES,
     check_fits,
     device_memory,
     per_device,
@@ -49,21 +50,68 @@ def test_device_memory_by_hand() -> None:
     t = parts(target)
     assert t["weights"] == 16e9  # 8e9 parameters x 2 bytes on one GPU
     assert t["hidden states"] == 90 / 4 * ITEM + ITEM  # an even share of 90 queued items + the one at the cap
-    assert t["pooled buffers"] == POOL_BUFFERS * ITEM  # the sharing plane's send pool, at most 4 of the largest
+    assert t["pooled buffers"] == 4 * ITEM  # the send pool: every drafter's take of one round (4 x 1)
     assert t["CUDA context"] == CUDA_CONTEXT_BYTES
     assert t["allocator slack"] == pytest.approx(ALLOCATOR_SLACK * (16e9 + 90 / 4 * ITEM + ITEM + 4 * ITEM))
     d = parts(drafter)
-    assert (d["weights"], d["gradients"], d["optimizer"]) == (2e9, 2e9, 12e9)
+    # the gradients (2e9) beyond the loss chunk they replace in the backward
+    assert (d["weights"], d["gradients"], d["optimizer"]) == (2e9, 2e9 - 512 * 151936 * 10, 12e9)
     assert d["hidden states"] == ITEM  # one item per take
     assert "pooled buffers" not in d  # a sharing plane: the drafter maps the producer's buffers
     assert d["frozen embedding and head"] == 2 * 151936 * 4096 * 2
     assert d["logits chunk"] == 512 * 151936 * 10  # one chunk of the loss, not 8 x 512 x 15 rows (issue #25)
-    allocated = 16e9 + ITEM + 2 * 151936 * 4096 * 2 + 512 * 151936 * 10
+    allocated = 16e9 - 512 * 151936 * 10 + ITEM + 2 * 151936 * 4096 * 2 + 512 * 151936 * 10
     assert drafter.total == pytest.approx(allocated * (1 + ALLOCATOR_SLACK) + CUDA_CONTEXT_BYTES)
     copying = parts(device_memory(config_from_dict(QWEN3_8B), sharing=False)[1])
-    assert copying["pooled buffers"] == POOL_BUFFERS * ITEM  # the receive pool on a copying plane
+    assert copying["pooled buffers"] == 1 * ITEM  # the receive pool on a copying plane: one take's item
     cpu = parts(device_memory(config_from_dict(QWEN3_8B), on_gpu=False)[1])
     assert "CUDA context" not in cpu and "allocator slack" not in cpu
+    assert cpu["frozen embedding and head paged in"] == 2 * 151936 * 4096 * 2 and cpu["process"] == PROCESS_BYTES
+
+
+# the "small" shape of benchmarks/rank_memory.py: d 128, 6 layers, H 128, KV 64, I 384, vocab 4000, 2 x 256 tokens
+SMALL = {"workload": {"lengths": "lognormal", "n_sequences": 200, "seqs_per_item": 2, "max_len": 256,
+                      "bucket_bounds": [256]},
+         "cluster": {"n_target": 1, "n_drafter": 1}, "queue": {"min_ready": 2, "max_depth": 6},
+         "target": {"capture_layers": 3}, "drafter": {"layers": 1, "block_size": 8, "anchors": 32},
+         "timing": {"hidden_size": 128, "dtype_bytes": 4},
+         "memory": {"target_params": 2 * 4000 * 128 + 128 + 6 * 196864, "drafter_params": 246336, "vocab_size": 4000,
+                    "intermediate_size": 384, "attention_width": 128, "kv_width": 64, "weight_bytes": 4,
+                    "optimizer_bytes_per_param": 8, "logits_bytes": 8, "activation_bytes": 4}}
+
+
+def test_a_cpu_ranks_loop_counts_every_term_by_hand() -> None:
+    """What a CPU rank's loop adds (the figure benchmarks/rank_memory.py measures), term by term: removing
+    or changing any term of the model fails here."""
+    from dflash.core.memory_model import (
+        KERNEL_CODE_BYTES,
+        activation_bytes,
+        logits_chunk_bytes,
+        loop_bytes,
+        target_forward_bytes,
+    )
+
+    cfg = config_from_dict(SMALL)
+    item = 2 * 256 * 3 * 128 * 4  # 786,432 bytes
+    target, drafter = device_memory(cfg, on_gpu=False)
+    per_layer = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 384 + 2 * 128  # 196,864: q o, k v, MLP, two norms
+    assert parts(target) == {
+        # unread: the head, the final norm, the embedding's other rows, layers 4-5
+        "weights": (2 * 4000 * 128 - 512 * 128 + 128 + 2 * per_layer) * 4,
+        "weights paged in": (512 * 128 + 4 * per_layer) * 4,  # the item's 512 embedding rows, layers 0-3 (deepest 3)
+        "hidden states": 6 * item + item,  # the queue at its depth (one producer) + the item at the cap
+        "pooled buffers": 1 * item,  # one drafter's take in flight
+        "capture forward": target_forward_bytes(cfg),
+        "kernel code": KERNEL_CODE_BYTES["target"], "process": PROCESS_BYTES}
+    assert loop_bytes(target) == pytest.approx(sum(v for k, v in parts(target).items() if k not in ("weights",
+                                                                                                     "process")))
+    assert parts(drafter) == {
+        # the gradients (0.9 MiB) fit in the loss chunk's 13.7 MiB, freed before the backward makes them
+        "weights": 246336 * 4, "gradients": 0.0, "optimizer": 246336 * 8, "hidden states": item,
+        "frozen embedding and head paged in": 2 * 4000 * 128 * 4, "logits chunk": logits_chunk_bytes(cfg),
+        "activations": activation_bytes(cfg), "kernel code": KERNEL_CODE_BYTES["drafter"], "process": PROCESS_BYTES}
+    assert logits_chunk_bytes(cfg) == 2 * 32 * 7 * 4000 * 8  # every row in one chunk, 8 B a float32 entry
+    assert loop_bytes(drafter) == pytest.approx(drafter.total - 246336 * 4 - PROCESS_BYTES)
 
 
 def test_sharded_targets_split_their_weights_not_their_hidden_states() -> None:
@@ -108,6 +156,11 @@ def test_roles_sharing_a_device_are_summed_and_the_devices_own_capacity_decides(
     line = str(err.value)
     assert "\n" not in line and f"cuda:0 needs {(t.total + d.total) / GIB:.1f} GiB" in line
     assert "target " in line and "drafter " in line and "holds" in line
+    host = per_device(cfg, shared)[1]  # the GPU ranks' host RAM: each process, the drafter's host tables
+    assert host.device == "host" and dict(host.roles[0].parts) == {"process": PROCESS_BYTES}
+    assert dict(host.roles[1].parts) == {"process": PROCESS_BYTES, "frozen embedding and head": 2 * 151936 * 4096 * 2}
+    with pytest.raises(ConfigError, match="host needs"):
+        check_fits(cfg, shared, {"cuda:0": t.total + d.total + 1, "host": host.total - 1})
     cpu = [("target", "cpu"), ("drafter", "cpu"), ("drafter", "cpu")]
     need = per_device(cfg, cpu)[0]
     assert need.device == "cpu" and len(need.roles) == 3

@@ -17,14 +17,19 @@ drafter takes them (docs/ARCHITECTURE.md, distributed pipeline). So a device's b
   - the **draft layers' saved activations** for anchors x block query positions and the
     ``[context ; blocks]`` key/value positions, plus the attention mask (:func:`activation_bytes`).
 
-Beyond these (issue 33): the **pooled buffers** of the data plane (:data:`POOL_BUFFERS` of the largest
-item: the producer's send pool on a sharing plane, the drafter's receive pool on a copying one), the
-target's **capture forward** (:func:`target_forward_bytes`), and on a GPU the **CUDA context** and the
-caching allocator's **slack** (:data:`CUDA_CONTEXT_BYTES`, :data:`ALLOCATOR_SLACK`: not measured yet,
-see docs/ARCHITECTURE.md). Roles that share one device are summed there (:func:`per_device`), and
-:func:`check_fits` holds each device against its capacity (the device's own, given by the caller).
-The CPU-measurable part of a rank is what its training loop adds (:func:`loop_bytes`): everything but
-the parts already there before the first step (:data:`AT_START`).
+Beyond these (issue 33): the **pooled buffers** of the data plane, one per item in flight
+(:func:`pool_buffers`: the producer's send pool on a sharing plane, the drafter's receive pool on a
+copying one), the target's **capture forward** (:func:`target_forward_bytes`), and on a GPU the **CUDA
+context** and the caching allocator's **slack** (:data:`CUDA_CONTEXT_BYTES`, :data:`ALLOCATOR_SLACK`: not
+measured yet, see docs/ARCHITECTURE.md). A **CPU rank** also counts what its loop pages in (the weights
+its forward reads from the memory-mapped checkpoint, :func:`target_paged_bytes`; the drafter's frozen
+tables; torch's kernel code, :data:`KERNEL_CODE_BYTES`) and its process (:data:`PROCESS_BYTES`: the
+host RAM of a rank, which on the CPU is its device); a GPU rank's host RAM is :func:`host_memory`.
+Roles that share one device are summed there (:func:`per_device`, the GPU ranks' host RAM on the device
+:data:`HOST`), and :func:`check_fits` holds each device against its capacity (the device's own, given by
+the caller). The CPU-measurable part of a rank is what its training loop adds (:func:`loop_bytes`):
+everything but the parts already there before the first step (:data:`AT_START`); benchmarks/rank_memory.py
+holds it within 10% of three shapes' ranks.
 
 A static check (no simulation) assumes the queue's items spread evenly over producers and that an
 item is as large as the workload allows (``max_len`` per sequence); the simulator passes the peaks
@@ -40,11 +45,22 @@ from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 
 GIB = 2**30
+MIB = 2**20
 TARGET, DRAFTER = "target", "drafter"
+HOST = "host"  # the node's host RAM, where GPU ranks keep their processes (a CPU rank's device is "cpu")
 POOL_BUFFERS = 4  # dflash.pipeline.transport.POOL_BUFFERS (this layer is torch-free; a test ties the two)
 CUDA_CONTEXT_BYTES = 0.5 * GIB  # per process on a GPU: CUDA context, cuBLAS/NCCL workspaces (unverified)
 ALLOCATOR_SLACK = 0.10  # the caching allocator's fragmentation, of what a GPU rank allocates (unverified)
-AT_START = frozenset({"weights", "frozen embedding and head", "CUDA context"})  # there before the first step
+# Host RAM of a rank process before its first step: Python, torch, transformers, the tokenizer, gloo, the data
+# set's index (measured on the CPU: 399-413 MiB VmRSS per rank, benchmarks/rank_memory.py; on a GPU node the
+# CUDA libraries add to it: unverified)
+PROCESS_BYTES = 400 * MIB
+# torch's kernel code a CPU rank's first step pages in (resident pages of torch/lib/*.so, /proc/self/smaps,
+# dflash/pipeline/hostmem.py): the same kernels whatever the shape, measured 10.0-11.0 MiB on a drafter rank
+# (forward, backward, AdamW), 3.6-4.5 MiB on a target rank (a forward), torch 2.13 CPU
+KERNEL_CODE_BYTES = {TARGET: 4 * MIB, DRAFTER: 11 * MIB}
+PAGED_WEIGHTS, PAGED_TABLES = "weights paged in", "frozen embedding and head paged in"  # on the CPU
+AT_START = frozenset({"weights", "frozen embedding and head", "CUDA context", "process"})  # before the first step
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,17 @@ def activation_bytes(cfg: DflashConfig) -> float:
     return float((layers_part + once) * m.activation_bytes + mask)
 
 
+def pool_buffers(cfg: DflashConfig, role: str) -> int:
+    """Buffers a data-plane pool holds at its peak: one per item in flight at once, never more (a pool makes
+    a buffer only when none is free, and keeps at most :data:`POOL_BUFFERS` free ones for reuse). A
+    drafter trains one take at a time and releases its items before it asks for the next step, so at most
+    one round is in flight: a drafter's receive pool holds ``items_per_take``, a producer's send pool at
+    most every drafter's take (``n_drafter x items_per_take``: all of a round's items from this producer).
+    Measured on the CPU: one shared buffer resident on each rank of a 1 + 1 job (``RssShmem``)."""
+    per_take = cfg.queue.items_per_take
+    return per_take if role == DRAFTER else cfg.cluster.n_drafter * per_take
+
+
 def producer_hidden_bytes(cfg: DflashConfig, n_target: int | None = None) -> float:
     """A static estimate: an even share of the queue at its cap, plus the item held at the cap."""
     n = n_target or cfg.cluster.n_target
@@ -172,6 +199,45 @@ def target_forward_bytes(cfg: DflashConfig) -> float:
     return float((tokens * per_token + seqs * length * length) * m.weight_bytes)
 
 
+def target_layer_params(cfg: DflashConfig) -> int | None:
+    """Parameters of one target decoder layer: q and o (``d x H`` each), k and v (``d x KV`` each), the
+    MLP's gate, up and down (``d x I`` each), two RMSNorms (``d`` each). None without ``intermediate_size``."""
+    m = cfg.memory
+    if m.intermediate_size is None:
+        return None
+    d = cfg.timing.hidden_size
+    h = m.attention_width or d
+    kv = m.kv_width or h
+    return 2 * d * h + 2 * d * kv + 3 * d * m.intermediate_size + 2 * d
+
+
+def target_paged_bytes(cfg: DflashConfig) -> float | None:
+    """What a CPU target rank's capture forward reads of its weights: one item's embedding rows and every
+    layer up to the deepest captured one (``capture_layer_ids``: layer L - 3 for K >= 2, L // 2 for K = 1).
+
+    Why it is the loop's: a float32 CPU load keeps the checkpoint's safetensors memory-mapped, so a weight
+    becomes resident (file pages, counted in ``VmRSS``) only when a forward first reads it; the layers past
+    the deepest captured one are never read (the forward stops there). Of the embedding, the rows of one
+    item's tokens (at most the vocabulary). The layer count comes from ``target_params`` (less the
+    embedding and an untied head). None where a size is missing."""
+    m = cfg.memory
+    per_layer = target_layer_params(cfg)
+    if m.target_params is None or m.vocab_size is None or per_layer is None:
+        return None
+    d = cfg.timing.hidden_size
+    tables = 2 * m.vocab_size * d + d  # embedding, head, final norm
+    layers = max(1, round((m.target_params - tables) / per_layer))
+    k = cfg.target.capture_layers
+    depth = layers // 2 + 1 if k == 1 else max(1, layers - 2)
+    seqs, length, _ = item_shape(cfg)
+    return float((min(m.vocab_size, seqs * length) * d + min(depth, layers) * per_layer) * m.weight_bytes)
+
+
+def _cpu_parts(role: str) -> list[tuple[str, float]]:
+    """A CPU rank's kernel code (paged in by its first step) and its process (host RAM before the step)."""
+    return [("kernel code", float(KERNEL_CODE_BYTES[role])), ("process", float(PROCESS_BYTES))]
+
+
 def _gpu_parts(parts: list[tuple[str, float]]) -> list[tuple[str, float]]:
     """A GPU rank's CUDA context and the allocator's slack on what it allocates (both unverified)."""
     allocated = sum(b for _, b in parts)
@@ -186,19 +252,22 @@ def target_device(cfg: DflashConfig, hidden_bytes: float | None = None, n_target
     parts: list[tuple[str, float]] = []
     missing: list[str] = []
     if m.target_params is not None:
-        parts.append(("weights", m.target_params * m.weight_bytes / cfg.cluster.gpus_per_target))
+        weights = m.target_params * m.weight_bytes / cfg.cluster.gpus_per_target
+        paged = None if on_gpu else target_paged_bytes(cfg)  # on the CPU the forward pages in what it reads
+        parts.append(("weights", weights - (paged or 0.0)))
+        if paged is not None:
+            parts.append((PAGED_WEIGHTS, paged))
     else:
         missing.append("target weights (memory.target_params)")
     held = producer_hidden_bytes(cfg, n_target) if hidden_bytes is None else hidden_bytes
     parts.append(("hidden states", float(held)))
     if sharing:
-        parts.append(("pooled buffers", float(POOL_BUFFERS * max_item_bytes(cfg))))
+        parts.append(("pooled buffers", float(pool_buffers(cfg, TARGET) * max_item_bytes(cfg))))
     if m.intermediate_size is not None:
         parts.append(("capture forward", target_forward_bytes(cfg)))
     else:
         missing.append("the capture forward (memory.intermediate_size)")
-    if on_gpu:
-        parts += _gpu_parts(parts)
+    parts += _gpu_parts(parts) if on_gpu else _cpu_parts(TARGET)
     return DeviceMemory(TARGET, tuple(parts), tuple(missing))
 
 
@@ -211,16 +280,24 @@ def drafter_device(cfg: DflashConfig, hidden_bytes: float | None = None, *, on_g
     parts: list[tuple[str, float]] = []
     missing: list[str] = []
     if m.drafter_params is not None:
-        parts += [("weights", m.drafter_params * m.weight_bytes), ("gradients", m.drafter_params * m.weight_bytes),
+        # the gradients exist only from the backward on (the optimizer sets them to None after each step), when
+        # the loss's chunk is freed: the step's peak holds the chunk (forward) or the gradients (backward), and
+        # the gradients add only what exceeds the chunk (measured on the CPU: no rise in the backward)
+        chunk = logits_chunk_bytes(cfg) if m.vocab_size is not None else 0.0
+        parts += [("weights", m.drafter_params * m.weight_bytes),
+                  ("gradients", max(0.0, m.drafter_params * m.weight_bytes - chunk)),
                   ("optimizer", m.drafter_params * m.optimizer_bytes_per_param)]
     else:
         missing.append("drafter weights and optimizer (memory.drafter_params)")
     held = cfg.queue.items_per_take * max_item_bytes(cfg) if hidden_bytes is None else hidden_bytes
     parts.append(("hidden states", float(held)))
     if not sharing:
-        parts.append(("pooled buffers", float(POOL_BUFFERS * max_item_bytes(cfg))))
+        parts.append(("pooled buffers", float(pool_buffers(cfg, DRAFTER) * max_item_bytes(cfg))))
     if m.vocab_size is not None:
-        parts.append(("frozen embedding and head", 2 * m.vocab_size * cfg.timing.hidden_size * m.weight_bytes))
+        # on a GPU copied to the device at load (there before the first step); on the CPU memory-mapped from the
+        # checkpoint and paged in by the first step (the head is read whole, the embedding nearly: fault-around)
+        parts.append((PAGED_TABLES if not on_gpu else "frozen embedding and head",
+                      2 * m.vocab_size * cfg.timing.hidden_size * m.weight_bytes))
         parts.append(("logits chunk", logits_chunk_bytes(cfg)))
     else:
         missing.append("frozen embedding/head and logits (memory.vocab_size)")
@@ -228,14 +305,26 @@ def drafter_device(cfg: DflashConfig, hidden_bytes: float | None = None, *, on_g
         parts.append(("activations", activation_bytes(cfg)))
     else:
         missing.append("draft-layer activations (memory.intermediate_size)")
-    if on_gpu:
-        parts += _gpu_parts(parts)
+    parts += _gpu_parts(parts) if on_gpu else _cpu_parts(DRAFTER)
     return DeviceMemory(DRAFTER, tuple(parts), tuple(missing))
+
+
+def host_memory(cfg: DflashConfig, role: str) -> DeviceMemory:
+    """Host RAM of a GPU rank (a CPU rank's host RAM is its device, :data:`PROCESS_BYTES` among its parts):
+    its process, and on a drafter rank the target's embedding and LM head it loaded on the host and keeps
+    for the run (``dflash/pipeline/rank.py`` ``_load``: read from the checkpoint, converted to the run's
+    dtype, copied to the device; the host copy stays referenced). A target rank loads straight onto its
+    device. Unverified on a GPU (the CUDA libraries' own host memory is not in it)."""
+    parts: list[tuple[str, float]] = [("process", float(PROCESS_BYTES))]
+    m = cfg.memory
+    if role == DRAFTER and m.vocab_size is not None:
+        parts.append(("frozen embedding and head", float(2 * m.vocab_size * cfg.timing.hidden_size * m.weight_bytes)))
+    return DeviceMemory(role, tuple(parts))
 
 
 def loop_bytes(dev: DeviceMemory) -> float:
     """What a rank's training loop adds above what it holds before the first step (the CPU-measurable
-    figure: ``VmHWM`` after the loop minus ``VmHWM`` before it, dflash/pipeline/hostmem.py)."""
+    figure: the peak ``VmHWM`` over the steps minus ``VmHWM`` before the first, dflash/pipeline/hostmem.py)."""
     return float(sum(b for name, b in dev.parts if name not in AT_START))
 
 
@@ -280,6 +369,8 @@ def per_device(cfg: DflashConfig, placement: list[tuple[str, str]], capacity: di
         dev = (target_device(cfg, on_gpu=on_gpu, sharing=sharing) if role == TARGET
                else drafter_device(cfg, on_gpu=on_gpu, sharing=sharing))
         by_dev.setdefault(device, []).append(dev)
+        if device.startswith("cuda"):  # a GPU rank's host RAM: the node's host holds every rank's (HOST)
+            by_dev.setdefault(HOST, []).append(host_memory(cfg, role))
     cap = capacity or {}
     return [DeviceNeed(d, tuple(roles), cap.get(d)) for d, roles in by_dev.items()]
 

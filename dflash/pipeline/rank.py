@@ -40,7 +40,7 @@ from dflash.core.precision import autocast_on, state_dtype_name
 from dflash.pipeline.abort import FAILURE, AbortOnPeerFailure, Heartbeat
 from dflash.pipeline.channel import Channel, ChannelError, connect
 from dflash.pipeline.context import Corpus, DrafterContext, RankContext, Signals, Start, StopRule
-from dflash.pipeline.hostmem import HostMemory
+from dflash.pipeline.hostmem import HostMemory, return_freed_memory
 from dflash.pipeline.messages import Beat, Failed
 from dflash.pipeline.roles import (
     DATA_NCCL,
@@ -250,6 +250,7 @@ class RankRun:
         else:
             torch.set_num_threads(self.cfg.train.cpu_threads
                                   or max(1, (os.cpu_count() or 2) // self.roles.local_world_size))
+            return_freed_memory()  # opt-in (DFLASH_RETURN_FREED_MEMORY=1): the peak follows what a step holds
         self._install_signal_handlers()
         AbortOnPeerFailure(self.out / RANKS_DIR, self.roles.rank,
                            lambda why: _leave_for_peer(self.out, self.roles.rank, self.status, why)).install()
@@ -274,7 +275,8 @@ class RankRun:
                                self.progress, self.spec.wait_s, StopRule(self.cfg.train, self.roles.is_coordinator,
                                                                          self.signals), self.gpu_samples)
         self.corpus = Corpus(self.target, self.data, self.sampler, tuple(self.layer_ids))
-        memory = HostMemory(self.out / RANKS_DIR, self.roles.rank, "target" if self.roles.is_target else "drafter")
+        self.memory = memory = HostMemory(self.out / RANKS_DIR, self.roles.rank,
+                                          "target" if self.roles.is_target else "drafter")
         memory.before()  # the memory model is checked against the loop's own peak (dflash/pipeline/hostmem.py)
         if self.roles.is_target:
             self._run_producer()
@@ -406,6 +408,7 @@ class RankRun:
                                device=self.device, seed=self.cfg.seed, grad_clip=self.cfg.train.grad_clip,
                                autocast=self.autocast, wait_s=self.spec.wait_s, check=self.spec.check_transfers,
                                status=self.status, verify_ids=self._verify_ids if self.spec.check_transfers else None)
+        worker.step = self.memory.each_step(worker.step)  # type: ignore[method-assign]  # the per-step peak
         start = Start(int(self.info["start_step"]), str(self.info["run_id"]), self.info["checkpoint"])
         DrafterLoop(DrafterContext(self.ctx, self.corpus, self.drafter, self.optimizer, self.scheduler, start,
                                    self.spec.wandb, new_phase, self.service), worker).run()

@@ -38,11 +38,10 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
     directory must be shared: a block continues its config's checkpoint). The worker that finishes
     a round looks at the evidence and, when every comparison is resolved, skips what is left.
     """
-    from dflash.core.memory_model import check_fits
     from simulator.calibration import apply_calibration
 
     base.cluster.check_trainable()  # before anything is written: a sharded target is simulator-only
-    check_fits(base)
+    preflight(base, force=args.force)
     calibrated = apply_calibration(base, args.calibration)
     args.out.mkdir(parents=True, exist_ok=True)
     store = ClaimStore(args.claims_url, job_namespace(args, base))
@@ -73,6 +72,15 @@ def run_validation(base: DflashConfig, args: ValidateArgs, progress: Callable[[s
         store.close()
         _kill_held()  # an error: stop with a checkpoint (a rerun resumes it)
     return write_summary(base, calibrated, args, rows, progress)
+
+
+def preflight(cfg: DflashConfig, *, force: bool = False) -> None:
+    """The validation's jobs run here, every rank of each on this node: each device must hold the roles
+    placed on it (CUDA's total memory, the host's available memory for CPU ranks), as ``dflash train``
+    checks; refused in one line (exit 2) unless ``force`` (``--force``)."""
+    from dflash.pipeline.hostmem import check_node_fits
+
+    check_node_fits(cfg, cfg.cluster.n_target + cfg.cluster.n_drafter, force=force)
 
 
 def _kill_held() -> None:

@@ -30,6 +30,7 @@ class ValidateArgs:
     prompts: int
     block_takes: int = 10
     block_reason: str = "given by the caller"  # why blocks are this long (validation.json's block_reason)
+    force: bool = False  # --force: run even where the memory model says a device would not hold the jobs
 
 
 def read_selection(path: str | Path) -> dict[str, Any]:

@@ -89,7 +89,9 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     clock = StageClock()
 
     from dflash.data.dataset_choice import pin_dataset
+    from tuning.validation.job import preflight
 
+    preflight(cfg, force=bool(args.force))  # before any stage: the calibration and validation jobs run here
     cfg = pin_dataset(cfg, say=lambda _line: None)  # every stage and run reads one file; stage 1 says which
     clock.stage(1, "lengths", "token lengths of the data set")
     lengths.handle(args, cfg)
@@ -139,7 +141,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     vargs = ValidateArgs(selection={**sel, "configs": keep}, selection_path=str(selection), takes=takes,
                          out=val_out, calibration=str(cal_path), claims_url=claims_url_for(None, val_out),
                          block_takes=block_takes, block_reason=block_reason,
-                         prompts=TAU_PROMPTS)
+                         prompts=TAU_PROMPTS, force=bool(args.force))
     payload = run_validation(cfg, vargs, progress=progress_printer)
     if payload is not None:
         print(format_validation(payload))
@@ -230,4 +232,5 @@ VERB = Verb("the main job, end to end", cpu_profile=True, opts=(
         Opt("--takes", "int", f"takes per validated config (>= 1; default {TAKES}, one mega_batch)", lo=1,
             metavar="N"),
         Opt("--cal-steps", "int", f"steps of the calibration run (>= 30; default {CAL_STEPS})", lo=30, metavar="N"),
+        Opt("--force", "switch", "run even where the memory model says a device would not hold the jobs"),
     ))

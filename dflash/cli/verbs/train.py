@@ -42,13 +42,12 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     said: list[str] = []
     cfg = _pin_data(cfg, said.append)
     local = check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
-    from dflash.core.memory_model import check_fits
-    from dflash.pipeline.hostmem import device_capacity, node_placement
+    from dflash.pipeline.hostmem import check_node_fits
 
     cfg.cluster.check_trainable()  # a sharded target is simulator-only
-    placement = node_placement(cfg, local, int(os.environ.get("GROUP_RANK", 0)) * local if under_launcher() else 0)
     # pre-flight: each device of this node holds the roles placed on it (its own capacity; --force: start anyway)
-    check_fits(cfg, placement, device_capacity([d for _, d in placement]), force=args.force)
+    check_node_fits(cfg, local, force=args.force,
+                    node_rank_offset=int(os.environ.get("GROUP_RANK", 0)) * local if under_launcher() else 0)
     if not under_launcher() or _is_first_rank():  # the data set and model path, once, before any rank starts
         from dflash.data.preflight import check_data_inputs
 

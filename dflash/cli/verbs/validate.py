@@ -30,7 +30,7 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     vargs = ValidateArgs(selection=selection, selection_path=sel_path, takes=takes, block_takes=block,
                          block_reason=reason, out=out,
                          calibration=args.calibration, claims_url=claims_url_for(args.storage, out),
-                         prompts=cfg.train.eval_prompts)
+                         prompts=cfg.train.eval_prompts, force=bool(args.force))
     payload = run_validation(cfg, vargs, progress=progress_printer)
     if payload is None:
         return 0
@@ -71,5 +71,6 @@ VERB = Verb("run the selection on the real trainer; compare with predictions", c
         Opt("--block-takes", "int", "takes per config per round; rounds alternate the configs and stop when "
                                     "every comparison is resolved (>= 1; default: whole mega-batches holding one "
                                     "metrics window, see docs/guide/validate.md)", lo=1, metavar="N"),
+        Opt("--force", "switch", "run even where the memory model says a device would not hold the jobs"),
         Opt("--out", "outdir", "output directory", metavar="DIR"),
     ))
