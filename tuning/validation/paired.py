@@ -85,7 +85,8 @@ class PairedDiff:
         return {"difference": self.difference, "ci95": list(self.ci95), "se": self.se,
                 "df": None if math.isinf(self.df) else self.df, "se_sequences": self.se_sequences,
                 "se_seeds": self.se_seeds, "se_independent": self.se_independent, "seeds": list(self.seeds),
-                "sequences": self.sequences, "claim": self.claim, "width_ratio": self.width_ratio, "paired": True}
+                "sequences": self.sequences, "claim": self.claim,
+                "width_ratio": None if math.isnan(self.width_ratio) else self.width_ratio, "paired": True}
 
 
 def same_sequences(runs: Sequence[RunRows]) -> tuple[str, ...]:

@@ -250,9 +250,10 @@ def paired_line(p: dict[str, Any]) -> str:
     lo, hi = p["ci95"]
     seeds = "/".join(str(s) for s in p["seeds"])
     between = "between-seed variance included" if p["claim"] else "over sequences only: 1 seed, no claim"
+    ratio = p.get("width_ratio")  # None (JSON null): no spread over sequences on either side
     return (f"  {p['config']} - {p['against']}, {LABELS[p['objective']]}: {p['difference']:+.4f} [{lo:+.4f}, "
             f"{hi:+.4f}] (paired over {p['sequences']} sequences, seeds {seeds}, {between}; paired/independent "
-            f"width over sequences {p['width_ratio']:.2f})")
+            f"width over sequences {'n/a' if ratio is None or ratio != ratio else f'{ratio:.2f}'})")
 
 
 def progress_printer(msg: str) -> None:
