@@ -18,7 +18,8 @@ Who does what, and why:
   per-sequence rows go to ``RUN/heldout/rows.jsonl`` (one line per scored step), for the paired
   comparison of configurations over the same sequences (:mod:`tuning.validation.paired`).
 ``RUN/heldout.json`` names the held-out conversations (ids, indices per bucket, seed, sizes) and
-whether this job computed the target's states or found them kept (``states``).
+whether this job computed the target's states or found them kept (``states``), and how long that
+took (``states_s``: what a validation saves per job that finds them kept).
 """
 
 from __future__ import annotations
@@ -102,10 +103,12 @@ def prepare_on_target(ctx: RankContext, corpus: Corpus, capture: HiddenStateCapt
     cfg = ctx.cfg
     if cfg.train.quality_every is None or ctx.roles.rank != 0:
         return
+    t0 = time.perf_counter()
     _, how = ensure_states(ctx.out / STATES_FILE, corpus.sampler.heldout, cfg.target.model, corpus.layer_ids,
                            data=lambda: corpus.data, target_model=corpus.target.model, capture=capture,
                            device=ctx.device, state_dtype=state_dtype, keep=True, status=ctx.status)
-    (ctx.out / HELDOUT_JSON).write_text(json.dumps({**heldout_description(cfg, corpus), "states": how}, indent=1))
+    (ctx.out / HELDOUT_JSON).write_text(json.dumps({**heldout_description(cfg, corpus), "states": how,
+                                                    "states_s": round(time.perf_counter() - t0, 3)}, indent=1))
 
 
 def publish_states(run_dir: Path, shared: Path) -> bool:
