@@ -26,7 +26,7 @@ from tuning.validation.runner import release, run_block
 
 ENTRIES = [{"name": "a", "queue": {"min_ready": 3, "max_depth": 6, "policy": "random_item"}},
            {"name": "b", "queue": {"min_ready": 2, "max_depth": 4, "policy": "fifo"}}]
-TAKES, BLOCK = 18, 6  # three blocks per job; the held-out metric scores each block's end
+TAKES, BLOCK = 15, 5  # three blocks a job; 3 jobs x 15 steps (2 jobs x 24 before the seed replicate)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,8 @@ def test_every_block_end_is_scored_on_one_held_out_set_and_validation_compares_i
 
     runs = {e["name"]: held["out"] / "runs" / e["name"] for e in ENTRIES}
     for run in runs.values():
-        assert [r["step"] for r in read_records(run, "step") if r.get("heldout")] == [5, 11, 17]  # block ends
+        scored = [r["step"] for r in read_records(run, "step") if r.get("heldout")]
+        assert scored == [BLOCK - 1, 2 * BLOCK - 1, 3 * BLOCK - 1]  # block ends
     ev = heldout_evidence(runs)
     assert ev["on"] and ev["same_set"] and ev["step"] == TAKES - 1
     assert "decides nothing" in ev["note"] and ev["estimates"] == {}  # one seed each: no quality claim
