@@ -10,9 +10,15 @@ and per length bucket, with 95% bootstrap intervals over sequences. The held-out
 the seed and are the same in every run (each run's ``heldout.json`` is checked against the first's).
 
 Compared at equal steps: the last step at which every run has a held-out score (the final step when no
-run was cut by ``--minutes``). Two configurations' difference *resolves* when their intervals are
-disjoint; "no difference resolved" is a possible answer and is said with the intervals. Also reported:
-each run's ``loss_roughness`` (metrics.json) and mix_efficiency.
+run was cut by ``--minutes``). Each configuration trains ``--seeds`` runs (default 2: another seed is
+another initialisation, data order and anchor draw; the held-out set stays the first seed's through
+``[train] quality_seed``), and configurations are compared *paired* over the same sequences with the
+variance between seeds (:mod:`tuning.validation.paired`, as ``dflash validate`` compares them): a
+difference *resolves* when its 95% interval excludes 0; "no difference resolved" is a possible answer
+and is said with the intervals. The target's held-out states are computed by the first run and linked
+into every other (:func:`dflash.pipeline.heldout.adopt_states`). Also reported: each configuration's
+figures with their bootstrap intervals (its first seed's run), ``loss_roughness`` (metrics.json) and
+mix_efficiency.
 
     python benchmarks/mix_vs_quality.py                    # --profile cpu: <= 60 minutes on 2 cores
     python benchmarks/mix_vs_quality.py --profile gpu      # examples/gpu-smollm2-learning.toml's data/shape
@@ -96,6 +102,7 @@ class Plan:
     out: Path
     record: bool
     overrides: tuple[tuple[str, Any], ...]
+    seeds: int = 2
 
 
 def parse_args(argv: list[str] | None = None) -> Plan:
@@ -107,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> Plan:
     ap.add_argument("--quality-every", type=int, help="held-out score every N steps (>= 1; default steps / points)")
     ap.add_argument("--quality-per-bucket", type=int, help="held-out sequences per length bucket (>= 1)")
     ap.add_argument("--trials", type=int, help="trials of the sweep that picks the fourth configuration (>= 1)")
+    ap.add_argument("--seeds", type=int, default=2, help="training seeds per configuration (>= 1; default 2: "
+                                                         "a quality claim needs the variance between runs)")
     ap.add_argument("--out", help="work directory (default: a new one under /tmp)")
     ap.add_argument("--no-record", action="store_true", help="print the line; leave benchmarks/RESULTS.md alone")
     ap.error = lambda message: (_ for _ in ()).throw(UsageError(message))  # type: ignore[method-assign]
@@ -125,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> Plan:
     per_bucket = prof.quality_per_bucket if a.quality_per_bucket is None else a.quality_per_bucket
     if per_bucket < 1:
         raise UsageError(f"--quality-per-bucket must be >= 1 (got {per_bucket})")
+    if a.seeds < 1:
+        raise UsageError(f"--seeds must be >= 1 (got {a.seeds})")
     trials = prof.trials if a.trials is None else a.trials
     if trials < 1:
         raise UsageError(f"--trials must be >= 1 (got {trials})")
@@ -143,16 +154,20 @@ def parse_args(argv: list[str] | None = None) -> Plan:
         raise UsageError(f"--out must be a new or empty directory (got {out})")
     return Plan(profile=a.profile, base=base, steps=steps, quality_every=every, quality_per_bucket=per_bucket,
                 minutes=a.minutes if a.minutes is not None else prof.minutes, trials=trials, out=out,
-                record=not a.no_record, overrides=prof.overrides)
+                record=not a.no_record, overrides=prof.overrides, seeds=a.seeds)
 
 
 # --------------------------------------------------------------------------- the runs
 def write_config(plan: Plan, path: Path, queue: dict[str, Any] | None = None,
-                 split: dict[str, int] | None = None) -> Path:
-    """The base configuration with the profile's overrides, the held-out metric and ``queue``'s knobs."""
+                 split: dict[str, int] | None = None, replicate: int = 0) -> Path:
+    """The base configuration with the profile's overrides, the held-out metric and ``queue``'s knobs;
+    ``replicate`` r > 0: trained with seed + r on the base seed's held-out set."""
     from dflash.core.config import UNSET, config_to_toml, load_config, with_overrides
 
     over: dict[str, Any] = dict(plan.overrides)
+    if replicate:
+        seed = load_config(plan.base).seed
+        over.update({"seed": seed + replicate, "train.quality_seed": seed})
     over.update({"train.quality_every": plan.quality_every, "train.quality_per_bucket": plan.quality_per_bucket})
     over.update({f"queue.{k}": v for k, v in (queue or {}).items() if k in QUEUE_KEYS})
     over.update({f"cluster.{k}": v for k, v in (split or {}).items()})
@@ -196,11 +211,16 @@ def pick_from_selection(selection: dict[str, Any]) -> tuple[str, dict[str, Any],
 
 
 def train_one(plan: Plan, name: str, cfg: Path, env: dict[str, str], cap_minutes: float | None) -> Path:
+    """One run; the held-out target states are the first run's, linked in (one copy for every run)."""
+    from dflash.pipeline.heldout import STATES_FILE, adopt_states, publish_states
+
     run = plan.out / "runs" / name
+    adopt_states(plan.out / STATES_FILE, run)
     args = ["train", "--config", str(cfg), "--out", str(run), "--max-steps", str(plan.steps), "--wandb", "disabled"]
     if cap_minutes is not None:
         args += ["--max-minutes", f"{cap_minutes:.2f}"]
     dflash(args, plan.out / f"train-{name}.log", env, f"train ({name})")
+    publish_states(run, plan.out / STATES_FILE)
     return run
 
 
@@ -234,6 +254,35 @@ def verdicts(rows: list[dict[str, Any]], key: str) -> list[str]:
             hi, lo = (a, b) if a[key] > b[key] else (b, a)
             out.append(f"{hi['config']} > {lo['config']} (by {hi[key] - lo[key]:.3f})")
     return out
+
+
+def paired_verdict(pairs: list[dict[str, Any]]) -> str:
+    """The paired comparisons (validation.json's ``heldout.pairs`` form): the resolved ones, else the widest
+    interval, so "no difference resolved" says how small a difference the runs could have resolved."""
+    from tuning.validation.evidence import LABELS
+
+    if not pairs:
+        return "paired: nothing compared"
+    seeds = sorted({s for p in pairs for s in p["seeds"]})
+    claim = all(p["claim"] for p in pairs)
+    head = f"paired over {pairs[0]['sequences']} sequences, {'/'.join(map(str, seeds))} seed(s) per configuration"
+    if not claim:
+        head += " (one seed: over sequences only, no quality claim)"
+    parts = []
+    for obj in dict.fromkeys(p["objective"] for p in pairs):
+        ps = [p for p in pairs if p["objective"] == obj]
+        done = [p for p in ps if not p["ci95"][0] <= 0.0 <= p["ci95"][1]]
+        half = max((p["ci95"][1] - p["ci95"][0]) / 2 for p in ps)
+        ratios = [p["width_ratio"] for p in ps if p.get("width_ratio") is not None]
+        ratio = f", paired/independent width over sequences {min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
+        if done:
+            parts.append(f"{LABELS[obj]}: " + "; ".join(f"{p['config']} - {p['against']} {p['difference']:+.3f} "
+                                                         f"[{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}]" for p in done)
+                         + f" resolved{ratio}")
+        else:
+            parts.append(f"{LABELS[obj]}: no difference resolved (largest half-width {half:.3f}: a difference "
+                         f"smaller than that could not resolve{ratio})")
+    return f"{head}: " + "; ".join(parts)
 
 
 def summarise(rows: list[dict[str, Any]]) -> str:
@@ -295,7 +344,7 @@ def record(line: str, verdict: str, rows: list[dict[str, Any]], profile: str, pa
     begin, end = f"<!-- mix-vs-quality {profile} -->", f"<!-- /mix-vs-quality {profile} -->"
     per = "\n".join(f"- {r['config']}: {bucket_text(r)}" for r in rows)
     block = (f"{begin}\nProfile `{profile}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}):\n\n{line}\n\n"
-             f"Resolved (95% intervals disjoint at equal steps): {verdict}.\n\n{per}\n{end}")
+             f"Resolved (95% interval of the paired difference excludes 0, at equal steps): {verdict}.\n\n{per}\n{end}")
     text = path.read_text() if path.is_file() else "# Benchmark results\n"
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
@@ -324,17 +373,22 @@ def run_benchmark(plan: Plan, command: str) -> dict[str, Any]:
     print(f"mix_vs_quality: the sweep ({plan.trials} trials, {time.perf_counter() - t0:.0f} s) picked {label}",
           flush=True)
     configs = [(n, q, {}) for n, q in FIXED] + [(label, queue, split)]
+    jobs = [(c, r) for r in range(plan.seeds) for c in configs]  # every configuration's first seed first
     runs: list[tuple[str, Path]] = []
-    for k, (name, q, sp) in enumerate(configs):
+    replicas: dict[str, list[Path]] = {}
+    for k, ((name, q, sp), r) in enumerate(jobs):
         cap = None
         if plan.minutes is not None:
             left = plan.minutes - (time.perf_counter() - t0) / 60
-            cap = max(0.5, left / (len(configs) - k) - 2.0)  # ~2 min of each run is start-up and held-out states
-        cfg = write_config(plan, plan.out / f"{slug(name)}.toml", q, sp)
+            cap = max(0.5, left / (len(jobs) - k) - 2.0)  # ~2 min of each run is start-up and held-out states
+        tag = slug(name) + (f"-seed{r}" if r else "")
+        cfg = write_config(plan, plan.out / f"{tag}.toml", q, sp, replicate=r)
         t = time.perf_counter()
-        run = train_one(plan, slug(name), cfg, env, cap)
-        print(f"mix_vs_quality: {name}: {time.perf_counter() - t:.0f} s", flush=True)
-        runs.append((name, run))
+        run = train_one(plan, tag, cfg, env, cap)
+        print(f"mix_vs_quality: {name}{f' (seed +{r})' if r else ''}: {time.perf_counter() - t:.0f} s", flush=True)
+        if not r:
+            runs.append((name, run))
+        replicas.setdefault(name, []).append(run)
     ids = [json.loads((r / "heldout.json").read_text())["ids"] for _, r in runs]
     if any(i != ids[0] for i in ids):
         raise RunFailed("mix_vs_quality: the runs' held-out sets differ (heldout.json ids): not comparable")
@@ -346,8 +400,12 @@ def run_benchmark(plan: Plan, command: str) -> dict[str, Any]:
     rows = [row_of(name, run, step, s) for (name, run), s in zip(runs, scores, strict=True)]
     minutes = (time.perf_counter() - t0) / 60
     line = result_line(rows, step + 1, minutes, command)
-    verdict = summarise(rows)
+    from tuning.validation.quality import heldout_evidence
+
+    held = heldout_evidence(replicas)  # paired over the same sequences, with the variance between seeds
+    verdict = paired_verdict(held.get("pairs") or []) + "; per configuration, " + summarise(rows)
     res = {"line": line, "verdict": verdict, "rows": rows, "step": step + 1, "minutes": minutes,
+           "seeds": plan.seeds, "pairs": held.get("pairs") or [], "paired_step": held.get("step"),
            "heldout_sequences": len(ids[0]), "sweep_pick": {"label": label, "queue": queue, "split": split}}
     (plan.out / "mix_vs_quality.json").write_text(json.dumps(res, indent=1))
     return res

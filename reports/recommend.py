@@ -228,15 +228,39 @@ def evidence_blocks(inputs: Inputs) -> list[Text | Bullets]:
                        f"stopped: {val.data.get('stopped', NA)}){heldout_caption(val.data.get('heldout'))}:"))
     blocks.append(Bullets(tuple(items)))
     held = val.data.get("heldout")
+    if isinstance(held, dict) and held.get("pairs"):
+        blocks.append(Text("Held-out comparisons, paired over the same sequences (seeds per side; the interval "
+                           "adds the variance between seeds where a configuration has two or more):"))
+        blocks.append(Bullets(tuple(paired_item(p) for p in held["pairs"])))
     if isinstance(held, dict) and held.get("note"):
         blocks.append(Text(str(held["note"])))
     return blocks
+
+
+def paired_item(p: dict[str, Any]) -> str:
+    """One paired held-out comparison (validation.json ``heldout.pairs``) in words."""
+    lo, hi = (p.get("ci95") or [None, None])[:2]
+    rng = NA if num(lo) is None or num(hi) is None else f"{num(lo):+.4g} .. {num(hi):+.4g}"
+    seeds = "/".join(str(x) for x in p.get("seeds") or []) or NA
+    ratio = num(p.get("width_ratio"))
+    return (f"{p.get('config')} - {p.get('against')} on {p.get('objective')}: {num(p.get('difference')) or 0:+.4g}, "
+            f"95% interval {rng}, paired, seeds {seeds}"
+            + ("" if p.get("claim") else " (one seed: over sequences only, no quality claim)")
+            + ("" if ratio is None else f"; paired/independent width over sequences {ratio:.2f}"))
 
 
 def heldout_caption(held: Any) -> str:
     """Where the held-out comparisons (objectives heldout_tau, heldout_loss) were read, if they were."""
     if not isinstance(held, dict) or not held.get("on") or held.get("step") is None:
         return ""
+    if held.get("method") == "paired":
+        seeds = held.get("seeds") or {}
+        counts = sorted(set(seeds.values()))
+        per = NA if not counts else "/".join(str(c) for c in counts)
+        return (f"; held-out tau and loss compared once, after step {int(held['step']) + 1} (the last step every "
+                f"configuration scored), paired over the same {held.get('sequences', NA)} held-out sequences with "
+                f"{per} training seed(s) per configuration, 95% intervals from the paired bootstrap plus the "
+                f"variance between seeds")
     return (f"; held-out tau and loss compared once, after step {int(held['step']) + 1} (the last step every "
             f"configuration scored), on the same {held.get('sequences', NA)} held-out sequences, 95% intervals "
             f"from their bootstrap intervals")

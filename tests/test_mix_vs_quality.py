@@ -33,6 +33,7 @@ def load():
     (["--steps", "10", "--quality-every", "11"], "--quality-every"),
     (["--quality-per-bucket", "0"], "--quality-per-bucket"),
     (["--trials", "0"], "--trials"),
+    (["--seeds", "0"], "--seeds"),
     (["--config", "/no/such.toml"], "--config"),
     (["--bogus"], "--bogus"),
 ])
@@ -94,7 +95,19 @@ def test_the_line_has_the_issues_form_and_replaces_its_own_block_in_results(tmp_
     assert "keep me" in text and "me too" in text and text.count(m.SECTION) == 1
     assert [ln for ln in text.splitlines() if ln.startswith("mix-vs-quality: ")] == [
         line.replace("240 steps", "300 steps"), line.replace("240 steps", "480 steps")]  # cpu replaced in place
-    assert "b0 1.100 [1.050, 1.200]" in text and "Resolved (95% intervals disjoint at equal steps)" in text
+    assert "b0 1.100 [1.050, 1.200]" in text and "Resolved (95% interval of the paired difference excludes 0" in text
+
+
+def test_the_verdict_is_the_paired_comparisons_and_bounds_what_did_not_resolve():
+    m = load()
+    pair = {"config": "a", "against": "b", "objective": "heldout_tau", "difference": 0.04, "ci95": [0.01, 0.07],
+            "seeds": [2, 2], "sequences": 60, "claim": True, "width_ratio": 0.7}
+    open_ = {**pair, "against": "c", "difference": 0.01, "ci95": [-0.02, 0.04], "width_ratio": 0.6}
+    got = m.paired_verdict([pair, open_])
+    assert got.startswith("paired over 60 sequences, 2 seed(s) per configuration: held-out tau: a - b +0.040")
+    assert "resolved, paired/independent width over sequences 0.60-0.70" in got
+    assert "no difference resolved (largest half-width 0.030" in m.paired_verdict([open_])
+    assert "one seed: over sequences only, no quality claim" in m.paired_verdict([{**open_, "claim": False}])
 
 
 @pytest.mark.slow
@@ -103,7 +116,8 @@ def test_the_benchmark_runs_the_sweep_and_four_real_rank_jobs_on_one_heldout_set
     run's step records carry ``heldout`` at the compared step, the held-out ids agree, the line prints."""
     out = tmp_path / "w"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--steps", "4", "--quality-every", "2",
-                           "--quality-per-bucket", "1", "--trials", "2", "--no-record", "--out", str(out)],
+                           "--quality-per-bucket", "1", "--trials", "2", "--seeds", "1", "--no-record", "--out",
+                           str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("mix-vs-quality: ")]
@@ -119,4 +133,5 @@ def test_the_benchmark_runs_the_sweep_and_four_real_rank_jobs_on_one_heldout_set
         assert cfg["train"]["quality_every"] == 2 and r["step"] == 3
         assert r["acceptance"] >= 1.0 and r["acceptance_ci"][0] <= r["acceptance"] <= r["acceptance_ci"][1]
         assert r["per_bucket"] and "loss_roughness" in r and "mix_efficiency" in r
-    assert "resolved: acceptance: " in proc.stdout
+    assert "resolved: paired over " in proc.stdout and "per configuration, acceptance: " in proc.stdout
+    assert res["seeds"] == 1 and res["pairs"] and all(p["seeds"] == [1, 1] for p in res["pairs"])

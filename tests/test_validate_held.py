@@ -4,7 +4,9 @@ across its blocks, held between them with its queue intact (issue #26 item 2).
 Two tiny configurations alternate A B A B through validate's own ``run_block``, as the claim loop
 runs them; one module-scoped pass is shared by the assertions. The base config scores the held-out
 metric at every block's end (``[train] quality_every``, issue #27): the same pass shows validation,
-the report and ``dflash eval`` reading it.
+the report and ``dflash eval`` reading it. A third job, a second training seed of ``a`` (``validate
+--seeds``), shows the held-out target states computed once for the three jobs and the paired comparison
+with run-to-run variance (issue #36).
 """
 
 from __future__ import annotations
@@ -19,24 +21,27 @@ from dflash.core.config import load_config
 from dflash.core.records import read_records
 from tests.test_resume_and_control import run_inputs, write_cfg  # noqa: F401 - the fixture
 from tuning.validation.metrics import bucket_use
-from tuning.validation.plan import ValidateArgs, block_steps
+from tuning.validation.plan import ValidateArgs, block_steps, with_seeds
 from tuning.validation.runner import release, run_block
 
 ENTRIES = [{"name": "a", "queue": {"min_ready": 3, "max_depth": 6, "policy": "random_item"}},
            {"name": "b", "queue": {"min_ready": 2, "max_depth": 4, "policy": "fifo"}}]
+TAKES, BLOCK = 15, 5  # three blocks a job; 3 jobs x 15 steps (2 jobs x 24 before the seed replicate)
 
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> dict:  # noqa: F811
     d = tmp_path_factory.mktemp("held")
     base = load_config(write_cfg(d / "cfg.toml", run_inputs, log_every=1000, checkpoint_every=1000,
-                                 quality_every=8, quality_per_bucket=3, quality_anchors=8))
-    args = ValidateArgs(selection={"configs": ENTRIES}, selection_path="sel.json", takes=24, out=d / "val",
-                        calibration=None, claims_url="sqlite://", prompts=1, block_takes=8)
+                                 quality_every=BLOCK, quality_per_bucket=3, quality_anchors=8))
+    selection = with_seeds({"configs": ENTRIES}, 2, base.seed)
+    selection["configs"] = [c for c in selection["configs"] if c["name"] != "b@seed4"]  # a: 2 seeds, b: 1
+    args = ValidateArgs(selection=selection, selection_path="sel.json", takes=TAKES, out=d / "val",
+                        calibration=None, claims_url="sqlite://", prompts=1, block_takes=BLOCK)
     rows = []
     try:
         for block in range(3):
-            for entry in ENTRIES:
+            for entry in selection["configs"]:
                 rows.append(run_block(entry, block, base, args, progress=lambda _m: None))
         release()
     finally:
@@ -55,14 +60,14 @@ def test_each_configuration_trains_all_its_blocks_in_one_job_of_two_processes(he
         pids = {r["pid"] for r in produce} | {r["pid"] for r in takes}
         assert len({r["pid"] for r in produce}) == 1 and len({r["pid"] for r in takes}) == 1 and len(pids) == 2
         s = list(read_records(run, "summary"))
-        assert len(s) == 1 and s[0]["steps"] == 24 and s[0]["replayed"] == 0  # one session, nothing produced again
+        assert len(s) == 1 and s[0]["steps"] == TAKES and s[0]["replayed"] == 0  # one session, nothing produced again
         assert max(Counter(r["item_id"] for r in produce).values()) == 1
-        assert [r["step"] for r in read_records(run, "step")] == list(range(24))
+        assert [r["step"] for r in read_records(run, "step")] == list(range(TAKES))
         assert json.loads((run / "held.json").read_text())["ended"] and (run / "metrics.json").is_file()
         use = bucket_use(run, held["base"])  # the one-bucket pathology, from the takes
         buckets = [t["bucket"] for t in sorted(takes, key=lambda t: t["t"])]
-        assert use["streak_takes"] == use["takes"] == 24 and 1 <= use["longest_streak"] <= 24
-        assert use["top_share"] == max(Counter(buckets).values()) / 24
+        assert use["streak_takes"] == use["takes"] == TAKES and 1 <= use["longest_streak"] <= TAKES
+        assert use["top_share"] == max(Counter(buckets).values()) / TAKES
 
 
 def test_a_held_block_starts_with_the_queue_it_left_and_is_measured_from_its_own_start(held) -> None:
@@ -78,7 +83,7 @@ def test_a_held_block_starts_with_the_queue_it_left_and_is_measured_from_its_own
             last_before = max(t["t"] for t in takes if t["step"] < first_step)
             assert first["depth_before"] >= entry["queue"]["min_ready"]  # no refill: the queue was kept
             assert rows[block]["t_start"] >= last_before  # the block's span is its own
-            assert rows[block]["throughput_tokens_per_s"] > 0 and rows[block]["takes"] == 8
+            assert rows[block]["throughput_tokens_per_s"] > 0 and rows[block]["takes"] == BLOCK
             assert rows[block]["mix_window"] == base.metrics.window  # the configured window, never the block's
 
 
@@ -131,19 +136,23 @@ def test_every_block_end_is_scored_on_one_held_out_set_and_validation_compares_i
 
     runs = {e["name"]: held["out"] / "runs" / e["name"] for e in ENTRIES}
     for run in runs.values():
-        assert [r["step"] for r in read_records(run, "step") if r.get("heldout")] == [7, 15, 23]  # block ends
+        scored = [r["step"] for r in read_records(run, "step") if r.get("heldout")]
+        assert scored == [BLOCK - 1, 2 * BLOCK - 1, 3 * BLOCK - 1]  # block ends
     ev = heldout_evidence(runs)
-    assert ev["on"] and ev["same_set"] and ev["step"] == 23 and ev["note"] is None
+    assert ev["on"] and ev["same_set"] and ev["step"] == TAKES - 1
+    assert "decides nothing" in ev["note"] and ev["estimates"] == {}  # one seed each: no quality claim
+    ev = heldout_evidence({**runs, "a": [runs["a"], held["out"] / "runs" / "a@seed4"]})
+    assert ev["note"] is None and ev["seeds"] == {"a": 2, "b": 1}
     n_seq = len(json.loads((runs["a"] / "heldout.json").read_text())["ids"])
     assert ev["sequences"] == n_seq >= 3  # quality_per_bucket = 3 of each bucket that has eligible sequences
     for n in runs:
         h = ev["configs"][n]
         assert h["sequences"] == n_seq and h["tau"] >= 1.0 and h["tau_ci"][0] <= h["tau"] <= h["tau_ci"][1]
         assert set(ev["estimates"][n]) == {"heldout_tau", "heldout_loss"}
-    _, _, rec = evidence_of(block_table(held["rows"]), looks=3, block_takes=8, heldout=ev["estimates"])
+    _, _, rec = evidence_of(block_table(held["rows"]), looks=3, block_takes=BLOCK, heldout=ev["estimates"])
     assert rec is not None and {"heldout_tau", "heldout_loss"} <= set(rec.objectives)
     held_comps = [c for c in rec.against_best if c.objective in ("heldout_tau", "heldout_loss")]
-    assert len(held_comps) == 2 and all(c.blocks == (n_seq, n_seq) for c in held_comps)
+    assert len(held_comps) == 2 and all(c.blocks == (n_seq, n_seq) and c.paired for c in held_comps)
     assert "Decided by" in rec.words
     off = heldout_evidence({n: held["out"] / "nowhere" for n in runs})  # runs without the metric
     assert not off["on"] and "quality_every" in off["note"] and off["estimates"] == {}
@@ -158,7 +167,7 @@ def test_the_reports_loss_section_shows_the_held_out_metric(held) -> None:
     fig, table = heldout_blocks(runs)
     assert isinstance(fig, Figure) and fig.png[:4] == b"\x89PNG" and isinstance(table, Table)
     df = table.df
-    assert list(df["config"].unique()) == ["a", "b"] and set(df["after step"]) == {"24"}
+    assert list(df["config"].unique()) == ["a", "b"] and set(df["after step"]) == {str(TAKES)}
     assert list(df[df["config"] == "a"]["bucket"]) == ["all", "0", "1", "2"]  # overall, then per length bucket
     last = [r for r in read_records(held["out"] / "runs" / "a", "step") if r.get("heldout")][-1]["heldout"]
     assert df.iloc[0]["held-out tau"].startswith(f"{last['tau']:.3f} [{last['tau_ci'][0]:.3f}, ")
@@ -194,6 +203,47 @@ def test_eval_json_scores_the_runs_drafter_on_its_held_out_set(held, tmp_path: P
     assert fresh["tau"] == pytest.approx(last["tau"], rel=1e-4)
     assert fresh["loss"] == pytest.approx(last["loss"], rel=1e-3)
 
+
+# --------------------------------------------------------------------------- paired, shared states (issue #36)
+def test_three_jobs_compute_the_held_out_target_states_once(held) -> None:
+    """a, b and a's second seed: the first job computes the target's held-out states, the validation
+    keeps that one copy, and the other two jobs' target ranks find it kept (one file on disk)."""
+    from dflash.pipeline.heldout import STATES_FILE, read_rows
+
+    names = ["a", "b", "a@seed4"]
+    info = {n: json.loads((held["out"] / "runs" / n / "heldout.json").read_text()) for n in names}
+    assert [info[n]["states"] for n in names] == ["computed", "kept", "kept"]
+    assert len({info[n]["seed"] for n in names}) == 1 and len({tuple(info[n]["ids"]) for n in names}) == 1
+    inodes = {(held["out"] / "runs" / n / STATES_FILE).stat().st_ino for n in names}
+    assert inodes == {(held["out"] / STATES_FILE).stat().st_ino}
+    one, two = (read_rows(held["out"] / "runs" / n)[TAKES - 1] for n in ("a", "a@seed4"))
+    assert one["ids"] == two["ids"] and one["rows"] != two["rows"]  # another seed's drafter, the same sequences
+
+
+def test_configurations_are_compared_paired_with_the_variance_between_seeds(held) -> None:
+    """The real runs' per-sequence rows: the paired interval over sequences is narrower than the
+    independent one, a's two seeds add the run-to-run variance, and the text says paired and seeds."""
+    from tuning.validation.paired import RunRows, SeedVariance, paired_difference
+    from tuning.validation.quality import heldout_evidence
+    from tuning.validation.summary import heldout_lines
+
+    runs = {n: held["out"] / "runs" / n for n in ("a", "b", "a@seed4")}
+    ev = heldout_evidence({"a": [runs["a"], runs["a@seed4"]], "b": [runs["b"]]})
+    assert ev["method"] == "paired" and {p["objective"] for p in ev["pairs"]} == {"heldout_tau", "heldout_loss"}
+    for p in ev["pairs"]:
+        assert p["config"] == "a" and p["against"] == "b" and p["seeds"] == [2, 1] and p["claim"] and p["seed_df"] == 1
+        assert p["ci95"][0] <= p["difference"] <= p["ci95"][1]
+    loss = next(p for p in ev["pairs"] if p["objective"] == "heldout_loss")  # tau: 1.0 everywhere this early
+    assert loss["se"] > loss["se_sequences"] > 0 and 0 < loss["width_ratio"] < 1, loss
+    text = "\n".join(heldout_lines(ev))
+    assert "paired over" in text and "seeds 2/1" in text and "(first of 2 seeds)" in text
+    from dflash.pipeline.heldout import read_rows
+
+    rows = {n: read_rows(d)[TAKES - 1] for n, d in runs.items()}
+    a, b = (RunRows(tuple(rows[n]["ids"]), tuple(map(tuple, rows[n]["rows"]))) for n in ("a", "b"))
+    shifted = RunRows(a.ids[1:] + a.ids[:1], a.rows)  # the same sequences paired with the wrong rows
+    with pytest.raises(ValueError, match="other held-out sequences"):
+        paired_difference([shifted], [b], "heldout_tau", SeedVariance(float("nan"), 0))
 
 
 # --------------------------------------------------------------------------- stopped by SIGTERM (issue #38)

@@ -108,8 +108,9 @@ def test_the_off_note_is_said_once() -> None:
 
 @pytest.mark.slow
 def test_dflash_validate_compares_held_out_quality_end_to_end(tmp_path, run_inputs, capsys) -> None:  # noqa: F811
-    """A real validation (tiny Llama, two configurations, two rounds) with ``[train] quality_every``:
-    the held-out metric is among the compared objectives, in the CLI summary and in the report."""
+    """A real validation (tiny Llama, two configurations, one round) with ``[train] quality_every``:
+    two training seeds per configuration by default (issue #36), the held-out metric compared paired
+    among the objectives, in the CLI summary and in the report, which say paired and the seeds."""
     import json
 
     from dflash.cli import main
@@ -122,17 +123,21 @@ def test_dflash_validate_compares_held_out_quality_end_to_end(tmp_path, run_inpu
         {"name": "baseline", "queue": {"min_ready": 3, "max_depth": 6, "policy": "random_item"}},
         {"name": "tuned-1", "queue": {"min_ready": 2, "max_depth": 4, "policy": "fullest"}}]}))
     val = tmp_path / "val"
-    assert main(["validate", "--config", str(cfg), "--selection", str(sel), "--takes", "8", "--block-takes", "4",
+    assert main(["validate", "--config", str(cfg), "--selection", str(sel), "--takes", "4", "--block-takes", "4",
                  "--out", str(val)]) == 0
     cli = capsys.readouterr().out
     payload = json.loads((val / "validation.json").read_text())
     assert {"heldout_tau", "heldout_loss"} <= set(payload["objectives"])
-    assert payload["heldout"]["on"] and payload["heldout"]["same_set"] and payload["heldout"]["step"] == 7
+    assert payload["heldout"]["on"] and payload["heldout"]["same_set"] and payload["heldout"]["step"] == 3
+    assert payload["heldout"]["seeds"] == {"baseline": 2, "tuned-1": 2} and payload["heldout"]["method"] == "paired"
+    runs = sorted(p.name for p in (val / "runs").iterdir())
+    assert runs == ["baseline", "baseline@seed4", "tuned-1", "tuned-1@seed4"]
     held = [c for c in payload["comparisons"] if c["objective"].startswith("heldout_")]
     assert {(c["config"], c["against"], c["objective"]) for c in held} == {
         ("tuned-1", "baseline", "heldout_tau"), ("tuned-1", "baseline", "heldout_loss")}
     for c in held:
         lo, hi = c["ci95"]
+        assert c["paired"] and c["seeds"] == [2, 2]
         assert c["resolved"] == (not lo <= 0 <= hi)
         verdict = "resolved" if c["resolved"] else "NOT resolved"
         assert f"tuned-1 vs baseline on {c['objective']}: {c['difference']:+.4g} (95% interval {lo:+.4g} .. " \
@@ -140,11 +145,13 @@ def test_dflash_validate_compares_held_out_quality_end_to_end(tmp_path, run_inpu
     rec = payload["recommendation"]
     assert rec["objectives"] == payload["objectives"] and "Decided by" in rec["words"]
     assert set(rec["decided_by"]) <= set(payload["objectives"])
-    assert "held-out (" in cli and "after step 8" in cli and "quality_every = N" not in cli
+    assert "held-out (" in cli and "after step 4" in cli and "quality_every = N" not in cli
+    assert "baseline - tuned-1, held-out loss: " in cli and "(paired over " in cli and "seeds 2/2" in cli
     for name in ("baseline", "tuned-1"):
         assert f"  {name}: tau " in cli
     assert main(["report", str(val), "--out", str(tmp_path / "report")]) == 0
     md = (tmp_path / "report" / "report.md").read_text()
-    assert "held-out tau and loss compared once, after step 8" in md
+    assert "held-out tau and loss compared once, after step 4" in md
+    assert "paired over the same" in md and "with 2 training seed(s) per configuration" in md
     assert "| held-out tau | held-out loss |" in md  # the recommendation's side-by-side table
     assert (tmp_path / "report" / "figures" / "heldout.png").is_file()

@@ -347,6 +347,10 @@ class TrainConfig:
     quality_every: int | None = None
     quality_per_bucket: int = 16
     quality_anchors: int = 32
+    # The held-out set's own seed (None: the run's seed). A validation's extra training seeds
+    # (``dflash validate --seeds``) keep this at the base seed, so every seed of every configuration
+    # scores the same sequences (a paired comparison) and shares one copy of the target's states.
+    quality_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.eval_every is not None:
@@ -355,6 +359,8 @@ class TrainConfig:
             check_int("train.quality_every", self.quality_every, 1)
         check_int("train.quality_per_bucket", self.quality_per_bucket, 1)
         check_int("train.quality_anchors", self.quality_anchors, 1)
+        if self.quality_seed is not None:
+            check_int("train.quality_seed", self.quality_seed, 0)
         check_int("train.eval_prompts", self.eval_prompts, 1)
         check_int("train.eval_new_tokens", self.eval_new_tokens, 1)
         if self.epochs is not None:

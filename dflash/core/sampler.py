@@ -75,13 +75,14 @@ class Sampler:
 
     def __init__(self, lengths: Sequence[int], workload: WorkloadConfig, seed: int = 0,
                  prompt_lengths: Sequence[int] | None = None, block_size: int | None = None,
-                 heldout_per_bucket: int = 0) -> None:
+                 heldout_per_bucket: int = 0, heldout_seed: int | None = None) -> None:
         if not lengths:
             raise ValueError("the sampler needs at least one sequence length")
         if any(int(n) < 1 for n in lengths):
             raise ValueError("sequence lengths must be >= 1")
         self.workload = workload
         self.seed = seed
+        self.heldout_seed = seed if heldout_seed is None else heldout_seed
         self.bounds = workload.bucket_bounds
         self.n_buckets = len(self.bounds)
         self.lengths = [min(int(n), workload.max_len) for n in lengths]
@@ -108,11 +109,12 @@ class Sampler:
 
     def _hold_out(self, eligible: list[list[int]], per_bucket: int) -> tuple[tuple[int, ...], ...]:
         """Per bucket, up to ``per_bucket`` sequences (never more than half the bucket, so training keeps
-        most of it) drawn with a generator of the seed alone: every configuration of one validation
-        (one seed) holds out the same sequences, and a held-out sequence is in no item of any epoch."""
+        most of it) drawn with a generator of the held-out seed alone (the run's seed unless
+        ``[train] quality_seed`` is set): every configuration and every training seed of one validation
+        holds out the same sequences, and a held-out sequence is in no item of any epoch."""
         if per_bucket <= 0:
             return tuple(() for _ in eligible)
-        rng = random.Random(self.seed * 1_000_003 + 424_242)
+        rng = random.Random(self.heldout_seed * 1_000_003 + 424_242)
         out = []
         for seqs in eligible:
             n = min(per_bucket, len(seqs) // 2)
@@ -224,7 +226,8 @@ def sampler_for(cfg: DflashConfig, lengths: Sequence[int], prompt_lengths: Seque
     same lengths, dropping the same anchor-less sequences (``cfg.drafter.block_size``) and holding out
     the same sequences for the quality metric (``[train] quality_every``)."""
     return Sampler(lengths, cfg.workload, seed=cfg.seed, prompt_lengths=prompt_lengths or None,
-                   block_size=cfg.drafter.block_size, heldout_per_bucket=heldout_per_bucket(cfg))
+                   block_size=cfg.drafter.block_size, heldout_per_bucket=heldout_per_bucket(cfg),
+                   heldout_seed=cfg.train.quality_seed)
 
 
 def heldout_per_bucket(cfg: DflashConfig) -> int:

@@ -242,13 +242,17 @@ def summarize(rows: Sequence[Row], n_buckets: int, block_size: int, seed: int = 
 
 
 def score_heldout(drafter: Any, states: HeldoutStates, *, anchors: int, seed: int = 0,
-                  device: torch.device | str | None = None) -> dict[str, Any]:
+                  device: torch.device | str | None = None, keep_rows: bool = False) -> dict[str, Any]:
     """Score the drafter on the held-out set: the ``heldout`` object (:func:`summarize`), under the
     trainer's autocast rule for the device it runs on (:mod:`dflash.core.precision`), so the rank's
-    scorer and ``dflash eval`` score alike."""
+    scorer and ``dflash eval`` score alike. ``keep_rows``: the per-sequence rows too, under ``rows``
+    (in the order of ``states.sequences``), for a paired comparison over the same sequences."""
     from dflash.core.precision import autocast_on
 
     dev = torch.device(device) if device is not None else next(drafter.parameters()).device
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast_on(dev.type)):
         rows = score_sequences(drafter, states, anchors=anchors, device=dev)
-    return summarize(rows, states.n_buckets, drafter.spec.block_size, seed=seed)
+    out = summarize(rows, states.n_buckets, drafter.spec.block_size, seed=seed)
+    if keep_rows:
+        out["rows"] = [list(r) for r in rows]
+    return out

@@ -9,16 +9,23 @@ Who does what, and why:
   trains on them and every configuration of one seed holds out the same ones.
 - The first target rank runs the target over them once, before it produces, and keeps the states and
   greedy tokens in ``RUN/heldout/states.pt``: the target already sits on its device there, and a
-  drafter rank holds only a CPU copy. A resume (or a job whose file matches) reuses the file.
+  drafter rank holds only a CPU copy. A resume (or a job whose file matches) reuses the file; a
+  validation computes it once for all its configurations and seeds (:func:`publish_states`,
+  :func:`adopt_states`: one copy, linked into each run directory before its job starts).
 - The host drafter rank loads that file at its first score and keeps it; every ``quality_every`` steps it
   scores the drafter (one forward, no generation) into the step record under ``heldout``. The other
-  drafter ranks wait for it in the next stop agreement, as for ``eval_every``.
-``RUN/heldout.json`` names the held-out conversations (ids, indices per bucket, seed, sizes).
+  drafter ranks wait for it in the next stop agreement, as for ``eval_every``. Each score's
+  per-sequence rows go to ``RUN/heldout/rows.jsonl`` (one line per scored step), for the paired
+  comparison of configurations over the same sequences (:mod:`tuning.validation.paired`).
+``RUN/heldout.json`` names the held-out conversations (ids, indices per bucket, seed, sizes) and
+whether this job computed the target's states or found them kept (``states``), and how long that
+took (``states_s``: what a validation saves per job that finds them kept).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -38,6 +45,7 @@ if TYPE_CHECKING:
 
 HELDOUT_JSON = "heldout.json"
 STATES_FILE = Path("heldout") / "states.pt"
+ROWS_FILE = Path("heldout") / "rows.jsonl"
 
 
 def heldout_description(cfg: DflashConfig, corpus: Corpus) -> dict[str, Any]:
@@ -45,9 +53,14 @@ def heldout_description(cfg: DflashConfig, corpus: Corpus) -> dict[str, Any]:
     per_bucket = [list(b) for b in corpus.sampler.heldout]
     ids = [str(corpus.data.conversations[i].id) for b in per_bucket for i in b]
     t = cfg.train
-    return {"ids": ids, "per_bucket": per_bucket, "seed": cfg.seed, "quality_per_bucket": t.quality_per_bucket,
+    return {"ids": ids, "per_bucket": per_bucket, "seed": heldout_seed(cfg), "quality_per_bucket": t.quality_per_bucket,
             "anchors": t.quality_anchors, "block_size": cfg.drafter.block_size,
             "model": cfg.target.model, "layer_ids": list(corpus.layer_ids)}
+
+
+def heldout_seed(cfg: DflashConfig) -> int:
+    """The seed the held-out set is drawn with (``[train] quality_seed``, else the run's)."""
+    return cfg.seed if cfg.train.quality_seed is None else cfg.train.quality_seed
 
 
 def ensure_states(path: Path, per_bucket: Sequence[Sequence[int]], model: str, layer_ids: Sequence[int], *,
@@ -90,10 +103,72 @@ def prepare_on_target(ctx: RankContext, corpus: Corpus, capture: HiddenStateCapt
     cfg = ctx.cfg
     if cfg.train.quality_every is None or ctx.roles.rank != 0:
         return
-    (ctx.out / HELDOUT_JSON).write_text(json.dumps(heldout_description(cfg, corpus), indent=1))
-    ensure_states(ctx.out / STATES_FILE, corpus.sampler.heldout, cfg.target.model, corpus.layer_ids,
-                  data=lambda: corpus.data, target_model=corpus.target.model, capture=capture, device=ctx.device,
-                  state_dtype=state_dtype, keep=True, status=ctx.status)
+    t0 = time.perf_counter()
+    _, how = ensure_states(ctx.out / STATES_FILE, corpus.sampler.heldout, cfg.target.model, corpus.layer_ids,
+                           data=lambda: corpus.data, target_model=corpus.target.model, capture=capture,
+                           device=ctx.device, state_dtype=state_dtype, keep=True, status=ctx.status)
+    (ctx.out / HELDOUT_JSON).write_text(json.dumps({**heldout_description(cfg, corpus), "states": how,
+                                                    "states_s": round(time.perf_counter() - t0, 3)}, indent=1))
+
+
+def publish_states(run_dir: Path, shared: Path) -> bool:
+    """Make ``run_dir``'s kept states the validation's one copy at ``shared`` if there is none yet
+    (a hard link, else a copy, put in place by an atomic rename: a reader never sees half a file).
+    True when ``shared`` exists afterwards."""
+    src = run_dir / STATES_FILE
+    if shared.exists() or not src.exists():
+        return shared.exists()
+    _place(src, shared)
+    return True
+
+
+def adopt_states(shared: Path, run_dir: Path) -> bool:
+    """Before a job starts in ``run_dir``: link the validation's one copy of the held-out states in as
+    the run's own, so its target rank finds them kept (:func:`ensure_states` reuses them only if the
+    fingerprint matches: another held-out set, model or layers computes its own). True if linked."""
+    dst = run_dir / STATES_FILE
+    if not shared.exists() or dst.exists():
+        return False
+    _place(shared, dst)
+    return True
+
+
+def _place(src: Path, dst: Path) -> None:
+    import shutil
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:  # another file system, or no hard links there
+        shutil.copyfile(src, tmp)
+    tmp.replace(dst)
+
+
+def append_rows(run_dir: Path, step: int, ids: Sequence[str], rows: Sequence[Sequence[float]]) -> None:
+    """One scored step's per-sequence rows (:data:`dflash.model.heldout.Row`), in the order of ``ids``."""
+    path = run_dir / ROWS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps({"step": int(step), "ids": list(ids), "rows": [list(r) for r in rows]}) + "\n")
+
+
+def read_rows(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """A run's per-sequence rows by step (the last line of a step wins: a resumed run may score it again;
+    a torn last line, from a killed job, is skipped)."""
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        lines = (run_dir / ROWS_FILE).read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            d = json.loads(line)
+            out[int(d["step"])] = {"ids": list(d["ids"]), "rows": [list(r) for r in d["rows"]]}
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def heldout_sequences(data: Any, per_bucket: Any) -> Iterator[tuple[int, str, int, torch.Tensor, torch.Tensor]]:
@@ -134,8 +209,10 @@ class HeldoutScorer:
 
         ctx = self.ctx
         t0 = time.perf_counter()
-        res = score_heldout(self.drafter, self._states(), anchors=ctx.cfg.train.quality_anchors, seed=ctx.cfg.seed,
-                            device=ctx.device)  # seed: the intervals' bootstrap
+        states = self._states()
+        res = score_heldout(self.drafter, states, anchors=ctx.cfg.train.quality_anchors, seed=ctx.cfg.seed,
+                            device=ctx.device, keep_rows=True)  # seed: the intervals' bootstrap
+        append_rows(ctx.out, step, states.ids, res.pop("rows"))
         res["score_s"] = time.perf_counter() - t0
         if wb is not None:
             wb.log({"heldout/loss": res["loss"], "heldout/acceptance": res["acceptance"], "heldout/tau": res["tau"],

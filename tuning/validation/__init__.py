@@ -6,8 +6,10 @@ measure docs/ARCHITECTURE.md's metrics on each block alone (:mod:`.metrics`), an
 configuration under the calibration (:mod:`.predict`). When every block is done, the worker that sees
 it writes ``validation.json`` and ``best.toml`` (:mod:`.summary`) with the recommendation
 (:mod:`.recommendation`, deciding by :mod:`.evidence`). With ``[train] quality_every`` the runs also
-score their drafters on one shared held-out set, and held-out tau and loss join the compared
-objectives (:mod:`.quality`); :mod:`.drift` separates machine drift from model error.
+score their drafters on one shared held-out set (its target states computed once per validation),
+each configuration trains ``--seeds`` runs, and held-out tau and loss join the compared objectives,
+compared paired with the variance between seeds (:mod:`.paired`, :mod:`.quality`); :mod:`.drift`
+separates machine drift from model error.
 
 One job per module, imported in this order (no module imports one after it):
 
@@ -15,7 +17,9 @@ One job per module, imported in this order (no module imports one after it):
 - :mod:`.claims`: the claim table in a shared SQL database;
 - :mod:`.plan`: the job's arguments, selection, identity, units and rounds;
 - :mod:`.metrics`: a block's metrics from its own records; block means; errors against a prediction;
-- :mod:`.quality`: the held-out objective read from the runs;
+- :mod:`.paired`: the paired held-out comparison over the same sequences, with the variance between
+  training seeds (pure);
+- :mod:`.quality`: the held-out objective read from the runs (every seed's run of each configuration);
 - :mod:`.drift`: each run calibrated alone;
 - :mod:`.predict`: the calibrated simulator's prediction;
 - :mod:`.acceptance`: tau of a final drafter on prompts it never trained on;

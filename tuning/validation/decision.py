@@ -102,6 +102,7 @@ POWER_GOAL = 0.8  # the power the "what it would take" figure asks for
 HW_SE_BLOCKS = "paired blocks"
 HW_SE_MODEL = "simulator's block-to-block variance"
 HW_SE_ESTIMATE = "per-configuration estimates"
+HW_SE_PAIRED = "paired over sequences, with the variance between seeds"  # tuning.validation.paired
 MIN_ROUNDS_EMPIRICAL = 5  # fewer paired rounds than this: the spread of 4 differences (3 df) is too rough
 
 
@@ -262,6 +263,14 @@ def estimate_evidence(candidate: str, reference: str, objective: str, *, hw_cand
     se = math.hypot(hw_candidate[1], hw_reference[1])
     return Evidence(candidate, reference, objective, None, 0.0, d, se, math.inf, HW_SE_ESTIMATE, n,
                     abs(hw_reference[0]) or 1.0)
+
+
+def paired_evidence(candidate: str, reference: str, objective: str, diff: tuple[float, float, float], *,
+                    scale: float, n: int) -> Evidence:
+    """Hardware-only :class:`Evidence` from a paired held-out difference ``(difference, se, df)``
+    (:mod:`tuning.validation.paired`: over the same sequences, with the variance between seeds)."""
+    d, se, df = diff
+    return Evidence(candidate, reference, objective, None, 0.0, d, se, df, HW_SE_PAIRED, n, abs(scale) or 1.0)
 
 
 @dataclass(frozen=True)

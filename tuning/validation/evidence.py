@@ -15,10 +15,11 @@ queue memory wins. A costlier configuration is never preferred on unresolved evi
 
 The held-out quality metric (``[train] quality_every``) enters as two more objectives, held-out tau
 (higher is better) and held-out loss (lower is better), read at the last step every configuration
-scored (:mod:`tuning.validation.quality`). They are not block means but one estimate per configuration with a
-95% bootstrap interval over the held-out sequences; the interval of a difference is the normal one
-from the two (:func:`compare_estimates`: every configuration scores the *same* sequences, so treating
-the two as independent only widens it). They are read once, after the last round, so they take no
+scored (:mod:`tuning.validation.quality`). They are not block means but one estimate per configuration
+(the mean over its training seeds); the interval of a difference is the paired one of
+:mod:`tuning.validation.paired` (a bootstrap over the *same* sequences for both sides, plus the variance
+between training seeds), carried by :class:`Estimate` (``paired``); without it, the normal one from the
+two intervals as if independent (:func:`compare_estimates`). They are read once, after the last round, so they take no
 share of the per-look level, and they do not stop a validation early. A difference is resolved by
 the one rule of :func:`resolved` whatever the objective, and the recommendation names the objectives
 that decided (:attr:`Recommendation.decided_by`).
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scipy import stats
 
@@ -52,11 +53,16 @@ class Comparison:
     resolved: bool  # exactly: 0 lies outside ci95
     se: float
     blocks: tuple[int, int]
+    paired: bool = False  # a held-out comparison over the same sequences (tuning.validation.paired)
+    seeds: tuple[int, int] | None = None  # training seeds per side of a held-out comparison
 
     def as_json(self) -> dict[str, object]:
-        return {"config": self.config, "against": self.against, "objective": self.objective,
-                "difference": self.difference, "ci95": list(self.ci95), "resolved": self.resolved,
-                "se": self.se, "blocks": list(self.blocks)}
+        out: dict[str, object] = {"config": self.config, "against": self.against, "objective": self.objective,
+                                  "difference": self.difference, "ci95": list(self.ci95), "resolved": self.resolved,
+                                  "se": self.se, "blocks": list(self.blocks)}
+        if self.objective in HELDOUT_OBJECTIVES:
+            out |= {"paired": self.paired, "seeds": list(self.seeds) if self.seeds else None}
+        return out
 
 
 def resolved(lo: float, hi: float) -> bool:
@@ -71,11 +77,23 @@ class Estimate:
     value: float
     ci95: tuple[float, float]
     n: int  # held-out sequences behind it
+    # against another configuration: (difference, se, df) of the paired comparison over the same sequences
+    # with run-to-run variance (tuning.validation.paired); df inf: a normal interval. Empty: not paired.
+    paired: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
+    seeds: int = 1  # training seeds behind ``value`` (their mean)
 
 
 def compare_estimates(config: str, against: str, objective: str, a: Estimate, b: Estimate, *,
                       level: float = 0.95) -> Comparison:
-    """``a - b`` with a normal interval: each side's standard error from its 95% interval's half-width."""
+    """``a - b``: the paired comparison when ``a`` carries one against ``against`` (a t interval on its
+    degrees of freedom); else a normal interval, each side's standard error from its 95% interval's
+    half-width (as if independent: wider)."""
+    if against in a.paired:
+        d, se, df = a.paired[against]
+        crit = float(stats.norm.ppf(1 - (1 - level) / 2)) if math.isinf(df) else \
+            float(stats.t.ppf(1 - (1 - level) / 2, df))
+        return Comparison(config, against, objective, d, (d - crit * se, d + crit * se),
+                          resolved(d - crit * se, d + crit * se), se, (a.n, b.n), True, (a.seeds, b.seeds))
     z95 = float(stats.norm.ppf(0.975))
     se = math.hypot((a.ci95[1] - a.ci95[0]) / (2 * z95), (b.ci95[1] - b.ci95[0]) / (2 * z95))
     d = a.value - b.value

@@ -101,9 +101,10 @@ def within_goals(measured: dict[str, Any], se: dict[str, Any], predicted: dict[s
 
 
 def block_table(block_rows: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
-    """config -> objective -> per-block values, blocks in order; blocks without a value left out."""
+    """config -> objective -> per-block values, blocks in order; blocks without a value left out, and
+    the blocks of a seed replicate (``replicate_of``: its run serves the held-out comparison only)."""
     out: dict[str, dict[str, list[float]]] = {}
-    for r in sorted(block_rows, key=lambda r: (r["name"], r["block"])):
+    for r in sorted((r for r in block_rows if not r.get("replicate_of")), key=lambda r: (r["name"], r["block"])):
         per = out.setdefault(r["name"], {k: [] for k in (*OBJECTIVES, "peak_queue_bytes")})
         for k in per:
             v = r.get(k)

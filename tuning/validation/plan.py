@@ -99,6 +99,33 @@ def job_namespace(args: ValidateArgs, base: DflashConfig) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+# --------------------------------------------------------------------------- training seeds (held-out quality)
+SEED_MARK = "@seed"  # a seed replicate's name: "<config>@seed<N>"
+
+
+def with_seeds(selection: dict[str, Any], seeds: int, base_seed: int) -> dict[str, Any]:
+    """The selection with ``seeds - 1`` more training runs of each configuration (seeds ``base_seed + 1``
+    ...), for the held-out quality comparison: a quality claim needs the variance between runs
+    (:mod:`tuning.validation.paired`). A replicate is its own job (``<config>@seed<N>``) whose held-out
+    set stays the base seed's (``[train] quality_seed``); its blocks feed the held-out comparison only,
+    never the block objectives (those pair configurations by the shared data order of one seed)."""
+    if seeds <= 1:
+        return selection
+    base = [c for c in selection["configs"] if not c.get("replicate_of")]
+    extra = [{**c, "name": f"{c['name']}{SEED_MARK}{base_seed + r}", "seed": base_seed + r,
+              "replicate_of": c["name"]} for r in range(1, seeds) for c in base]
+    return {**selection, "configs": [*base, *extra], "seeds": seeds}
+
+
+def seed_runs(configs: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """config -> the names of its runs, one per training seed (the config's own run first)."""
+    out: dict[str, list[str]] = {c["name"]: [c["name"]] for c in configs if not c.get("replicate_of")}
+    for c in configs:
+        if c.get("replicate_of") in out:
+            out[c["replicate_of"]].append(c["name"])
+    return out
+
+
 # --------------------------------------------------------------------------- blocks and rounds
 def queue_overrides(queue: dict[str, Any]) -> dict[str, Any]:
     return {f"queue.{k}": v for k, v in queue.items() if v is not None}

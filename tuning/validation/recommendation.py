@@ -101,10 +101,11 @@ def decide_validation(decision_cfg: Any, looks: int, configs: list[dict[str, Any
     With only the first block measured (one round: the start-up transient), the simulator's steady
     state (``predicted[...]["steady"]``) is the prediction and its first block is passed as the
     first-block prediction: the decision transfers the simulator's error there to the steady state.
-    Held-out objectives are the hardware's alone. None when nothing can be compared."""
+    Held-out objectives are the hardware's alone, paired over the same sequences with the run-to-run
+    variance when the estimates carry it. None when nothing can be compared."""
     from itertools import combinations
 
-    from tuning.validation.decision import DecisionPolicy, decide, estimate_evidence, pair_evidence
+    from tuning.validation.decision import DecisionPolicy, decide, estimate_evidence, pair_evidence, paired_evidence
     from tuning.validation.predict import paired_block_sd
 
     by = {c["name"]: c for c in configs}
@@ -120,6 +121,9 @@ def decide_validation(decision_cfg: Any, looks: int, configs: list[dict[str, Any
         for o in objectives:
             if o not in OBJECTIVES:
                 ea, eb = held[a][o], held[b][o]
+                if b in ea.paired:  # over the same sequences, with run-to-run variance (tuning.validation.paired)
+                    evidence.append(paired_evidence(a, b, o, ea.paired[b], scale=eb.value, n=min(ea.n, eb.n)))
+                    continue
                 se_a, se_b = ((e.ci95[1] - e.ci95[0]) / (2 * z95) for e in (ea, eb))
                 evidence.append(estimate_evidence(a, b, o, hw_candidate=(ea.value, se_a),
                                                   hw_reference=(eb.value, se_b), n=min(ea.n, eb.n)))

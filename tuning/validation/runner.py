@@ -27,17 +27,22 @@ def run_block(entry: dict[str, Any], block: int, base: DflashConfig, args: Valid
     its queue intact (:mod:`dflash.pipeline.hold`: no process start, model load or refill per block).
     On GPUs, where a held job would keep its device memory from the next configuration, block 0
     starts the run and later blocks resume its checkpoint with a larger step budget."""
+    from dflash.pipeline.heldout import adopt_states, publish_states
+
     name = entry["name"]
     upto, total = block_steps(base, args, block)
     held = keep_alive(base)
     # schedule_steps: the LR schedule is that of the whole budget whatever block we are in.
     run_cfg = with_overrides(base, {**queue_overrides(entry["queue"]), "train.max_steps": total if held else upto,
                                     "train.schedule_steps": total, "train.max_minutes": UNSET,
-                                    "train.eval_every": UNSET})
+                                    "train.eval_every": UNSET, **seed_overrides(entry, base)})
     run_dir = args.out / "runs" / name
     if block == 0 and run_dir.exists():  # a dead worker's partial first block: start over
         release(run_dir)
         shutil.rmtree(run_dir)
+    shared = shared_states(run_cfg, args.out)
+    if shared is not None and block == 0:
+        adopt_states(shared, run_dir)  # the held-out target states, computed once per validation
     t_start = time.perf_counter()
     if held:
         hold_block(run_cfg, run_dir, block, upto, total)
@@ -45,11 +50,29 @@ def run_block(entry: dict[str, Any], block: int, base: DflashConfig, args: Valid
     else:
         steps = train_block(run_cfg, run_dir, resume=block > 0, progress=progress).get("steps")
     wall_s = time.perf_counter() - t_start
+    if shared is not None:
+        publish_states(run_dir, shared)
     # The block starts after the previous block's last step. Read after the resume: a dead worker's
     # half of this block past the checkpoint was dropped from the records and trained again.
     before = block_steps(base, args, block - 1)[0] if block else 0
     measured = block_metrics(run_dir, run_cfg, before, upto)
-    return clean_json({"name": name, "block": block, "steps": steps, "held": held, "wall_s": wall_s, **measured})
+    replicate = {"replicate_of": entry["replicate_of"], "seed": entry["seed"]} if entry.get("replicate_of") else {}
+    return clean_json({"name": name, "block": block, "steps": steps, "held": held, "wall_s": wall_s, **measured,
+                       **replicate})
+
+
+def seed_overrides(entry: dict[str, Any], base: DflashConfig) -> dict[str, Any]:
+    """A seed replicate (:func:`tuning.validation.plan.with_seeds`) trains with its own seed and scores the
+    base seed's held-out set."""
+    held_out = base.seed if base.train.quality_seed is None else base.train.quality_seed
+    return {"seed": int(entry["seed"]), "train.quality_seed": held_out} if entry.get("replicate_of") else {}
+
+
+def shared_states(cfg: DflashConfig, out: Path) -> Path | None:
+    """The validation's one copy of the held-out target states (None: the held-out metric is off)."""
+    from dflash.pipeline.heldout import STATES_FILE
+
+    return out / STATES_FILE if cfg.train.quality_every is not None else None
 
 
 def keep_alive(cfg: DflashConfig) -> bool:

@@ -28,7 +28,7 @@ from tuning.validation.metrics import (
     rel_errors,
     within_goals,
 )
-from tuning.validation.plan import ValidateArgs, block_steps, max_looks, queue_overrides
+from tuning.validation.plan import ValidateArgs, block_steps, max_looks, queue_overrides, seed_runs
 from tuning.validation.predict import predict, prediction_seeds
 from tuning.validation.recommendation import decide_validation, evidence_of, stop_reason
 from tuning.validation.runner import wait_for_held_ends
@@ -108,12 +108,13 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
               for n in failed_names]
     blocks = block_table([r for r in done if r["name"] not in failed_names])
     entries = {c["name"]: c for c in args.selection["configs"]}
-    wait_for_held_ends([args.out / "runs" / n for n in entries if n in blocks])
+    runs_of = seed_runs(args.selection["configs"])  # config -> its runs, one per training seed
+    wait_for_held_ends([args.out / "runs" / r for n in entries if n in blocks for r in runs_of.get(n, [n])])
     from tuning.evaluate import sweep_seeds
     from tuning.validation.decision import answer_sentences
     from tuning.validation.quality import heldout_evidence
 
-    held = heldout_evidence({n: args.out / "runs" / n for n in entries if n in blocks})
+    held = heldout_evidence({n: [args.out / "runs" / r for r in runs_of.get(n, [n])] for n in entries if n in blocks})
     estimates = held.pop("estimates")
     chosen, comps, rec = evidence_of(blocks, looks, args.block_takes, estimates)  # its note: printed once
     target = load_target(base.target.model) if blocks and args.prompts > 0 else None  # only tau needs it
@@ -245,8 +246,24 @@ def heldout_lines(held: dict[str, Any] | None) -> list[str]:
     lines = [f"held-out ({held.get('sequences')} sequences, the same set in every configuration: "
              f"{'yes' if held.get('same_set') else 'NO'}) after step {held['step'] + 1}:"
              if held.get("step") is not None else "held-out:"]
-    lines += [f"  {n}: {heldout_line(h)}" for n, h in held.get("configs", {}).items()]
+    seeds = held.get("seeds") or {}
+    lines += [f"  {n}: {heldout_line(h)}" + (f"  (first of {seeds[n]} seeds)" if seeds.get(n, 1) > 1 else "")
+              for n, h in held.get("configs", {}).items()]
+    lines += [paired_line(p) for p in held.get("pairs") or []]
     return lines + ([held["note"]] if held.get("note") else [])
+
+
+def paired_line(p: dict[str, Any]) -> str:
+    """One paired held-out comparison: the difference, its interval, the seeds and the width ratio."""
+    from tuning.validation.evidence import LABELS
+
+    lo, hi = p["ci95"]
+    seeds = "/".join(str(s) for s in p["seeds"])
+    between = "between-seed variance included" if p["claim"] else "over sequences only: 1 seed, no claim"
+    ratio = p.get("width_ratio")  # None (JSON null): no spread over sequences on either side
+    return (f"  {p['config']} - {p['against']}, {LABELS[p['objective']]}: {p['difference']:+.4f} [{lo:+.4f}, "
+            f"{hi:+.4f}] (paired over {p['sequences']} sequences, seeds {seeds}, {between}; paired/independent "
+            f"width over sequences {'n/a' if ratio is None or ratio != ratio else f'{ratio:.2f}'})")
 
 
 def progress_printer(msg: str) -> None:

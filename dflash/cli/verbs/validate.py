@@ -16,7 +16,14 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     """The selection on the real trainer, compared with the calibrated simulator (tuning/validation/)."""
     from reports.answer import answer_of
     from tuning.validation.job import run_validation
-    from tuning.validation.plan import ValidateArgs, block_rule, claims_url_for, read_selection, selection_from_study
+    from tuning.validation.plan import (
+        ValidateArgs,
+        block_rule,
+        claims_url_for,
+        read_selection,
+        selection_from_study,
+        with_seeds,
+    )
     from tuning.validation.summary import format_validation, progress_printer
 
     out = Path(args.out) if args.out else Path("validation")
@@ -27,6 +34,8 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         selection, sel_path = selection_from_study(args.study, storage, cfg), f"study {args.study} in {storage}"
     takes = int(args.takes) if args.takes is not None else 300
     block, reason = block_rule(cfg, takes, int(args.block_takes) if args.block_takes is not None else None)
+    seeds = int(args.seeds) if args.seeds is not None else (2 if cfg.train.quality_every is not None else 1)
+    selection = with_seeds(selection, seeds, cfg.seed)  # held-out quality claims need >= 2 training seeds
     vargs = ValidateArgs(selection=selection, selection_path=sel_path, takes=takes, block_takes=block,
                          block_reason=reason, out=out,
                          calibration=args.calibration, claims_url=claims_url_for(args.storage, out),
@@ -68,6 +77,8 @@ VERB = Verb("run the selection on the real trainer; compare with predictions", c
         N_TARGET,
         N_DRAFTER,
         Opt("--takes", "int", "most takes per validated config (>= 1; default 300)", lo=1, metavar="N"),
+        Opt("--seeds", "int", "training seeds per config for the held-out quality comparison (>= 1; default 2 "
+            "with [train] quality_every, else 1)", lo=1, metavar="N"),
         Opt("--block-takes", "int", "takes per config per round; rounds alternate the configs and stop when "
                                     "every comparison is resolved (>= 1; default: whole mega-batches holding one "
                                     "metrics window, see docs/guide/validate.md)", lo=1, metavar="N"),
