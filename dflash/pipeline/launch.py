@@ -22,8 +22,9 @@ from typing import Any
 
 from dflash.core.config import DflashConfig
 from dflash.core.signals import STOP_SIGNALS, Terminated, kept_handlers, sigint_ignored
+from dflash.pipeline.planes import node_plane
 from dflash.pipeline.rank import DATA_PLANE_ENV, LAUNCHED_BY_DFLASH, RANKS_DIR, RunSpec, archive_tracebacks, rank_main
-from dflash.pipeline.roles import check_world, choose_plane, data_plane
+from dflash.pipeline.roles import check_world
 
 ELASTIC_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # read by the launcher when it starts the ranks
 _QUIET_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing",
@@ -46,9 +47,7 @@ def check_launch(cfg: DflashConfig, nproc_per_node: int | None) -> int:
         local = nproc_per_node if nproc_per_node is not None else n_t + n_d
         check_world(n_t, n_d, local, what="--nproc-per-node" if nproc_per_node is not None
                     else "number of processes started on this node")
-    one_node = not under_launcher() or local == int(os.environ["WORLD_SIZE"])
-    choose_plane(data_plane(_cuda_devices(), local), one_node=one_node,
-                 requested=os.environ.get(DATA_PLANE_ENV, "auto"))
+    node_plane(_cuda_devices(), local, os.environ.get(DATA_PLANE_ENV, "auto"))  # pairs across nodes copy (planes)
     return local
 
 

@@ -35,6 +35,7 @@ from dflash.pipeline.roles import Roles
 
 if TYPE_CHECKING:
     from dflash.core.autopilot import Autopilot
+    from dflash.pipeline.planes import PlaneMap
 
 CONTROL_POLL_S = 0.25  # how often the control file is read (between takes)
 
@@ -99,10 +100,12 @@ class CoordinatorService:
     """The coordinator thread's state and loop; ``start()`` runs it, ``join()`` waits for the summary."""
 
     def __init__(self, cfg: DflashConfig, roles: Roles, sampler: Sampler, out: Path, run_id: str, *,
-                 resume: ResumeState, wait_s: float, progress: Callable[[str], None]) -> None:
+                 resume: ResumeState, wait_s: float, progress: Callable[[str], None],
+                 placement: PlaneMap | None = None) -> None:
         if resume.queue_config is not None:
             cfg = dataclasses.replace(cfg, queue=QueueConfig(**resume.queue_config))
         self.cfg, self.roles, self.out, self.wait_s, self.progress = cfg, roles, out, wait_s, progress
+        self.placement = placement  # each rank's node and local rank, each pair's plane (dflash.pipeline.planes)
         self.sampler = sampler
         self.coord = Coordinator(cfg.queue, sampler.n_buckets, roles.n_target, roles.n_drafter,
                                  mix=sampler.item_mix(), seed=cfg.seed, sync=cfg.cluster.drafter_sync)
@@ -275,7 +278,8 @@ class CoordinatorService:
         self.produced += 1
         self.producer_blocked_s += blocked_s
         self.records.write("produce", t=info.t_end, item_id=item_id, worker=info.rank, rank=info.rank,
-                           pid=info.ready.pid, host=info.ready.host, device=info.ready.device, bucket=spec.bucket,
+                           pid=info.ready.pid, host=info.ready.host, device=info.ready.device, **self._place(info.rank),
+                           bucket=spec.bucket,
                            n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
                            padded_len=spec.padded_len, t_start=info.t_start, t_end=info.t_end,
                            blocked_s=blocked_s, bytes=info.ready.nbytes, t_put=t, stages=info.ready.stages)
@@ -344,7 +348,7 @@ class CoordinatorService:
                                           f"it was not assigned")
                 self.mix.add_take(a.bucket, [i.padded_len for i in a.items])
                 self.records.write("take", t=a.t, drafter=d, rank=self.roles.n_target + d, pid=done[d].pid,
-                                   host=done[d].host, device=done[d].device,
+                                   host=done[d].host, device=done[d].device, **self._place(self.roles.n_target + d),
                                    step=step, item_ids=list(take.item_ids), bucket=a.bucket, wait_s=a.wait_s,
                                    depth_before=a.depth_before, bucket_depths=list(a.bucket_depths), gate=a.gate,
                                    rounds=[x.round for x in a.transfers],
@@ -385,8 +389,16 @@ class CoordinatorService:
                                    "producer_blocked_s": self.producer_blocked_s,
                                    "drafter_wait_s": self.drafter_wait_s},
                    "ranks": {"targets": self.roles.target_ranks, "drafters": self.roles.drafter_ranks},
+                   **({"placement": self.placement.as_json()} if self.placement is not None else {}),
                    "queue": dict(self.queue.__dict__)}  # the knobs in force at the end
         self.summary = summary
+
+    def _place(self, rank: int) -> dict[str, int]:
+        """A record's ``node`` and ``local_rank`` of ``rank`` (none for a service without a placement)."""
+        if self.placement is None:
+            return {}
+        place = self.placement.places[rank]
+        return {"node": place.node, "local_rank": place.local_rank}
 
     # ------------------------------------------------------------------ checkpoints
     def snapshot(self, step: int, timeout: float) -> dict[str, Any]:
