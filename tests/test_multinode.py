@@ -1,0 +1,105 @@
+"""Two nodes rehearsed on one machine: two ``torchrun`` agents, a c10d rendezvous on 127.0.0.1, loopback only.
+
+Each agent is one "node" (``--nnodes 2 --nproc-per-node 2``) running ``-m dflash train`` on a tiny random
+Llama. With 1 target + 3 drafters, node 0 holds the target (rank 0) and the host drafter (rank 1), node 1
+the drafters 2 and 3: the pair 0->1 is within a node, 0->2 and 0->3 cross nodes. The node of each rank
+is the launcher's (``GROUP_RANK``), never guessed from the host name (both "nodes" are one host here);
+the agents name themselves 127.0.0.1 and 127.0.0.2 (``--local-addr``, both loopback), and c10d numbers
+the nodes in that order, so the first agent is node 0.
+The commands are the ones docs/guide/train-several-nodes.md shows.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dflash.core.records import read_records
+from dflash.pipeline.launch import hung_ranks
+from dflash.pipeline.ledger import read_ledger
+from tests.test_distributed import assert_books_balance
+from tests.test_resume_and_control import run_inputs, write_cfg  # noqa: F401 - the fixture
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT_TIMEOUT_S = 240
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "DFLASH_WAIT_S": "60", "DFLASH_CHECK_TRANSFERS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(cfg: Path, outs: tuple[Path, Path], *train: str) -> list[subprocess.CompletedProcess]:
+    """Both agents, started together; one that outlives its timeout fails naming what its ranks waited for."""
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-id", "rehearsal", "--local-addr", f"127.0.0.{node + 1}",
+         "-m", "dflash", "train", "--config", str(cfg), "--out", str(out), "--n-target", "1", "--n-drafter", "3",
+         "--wandb", "disabled", *train],
+        cwd=ROOT, env={**os.environ, **LOOPBACK}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True) for node, out in enumerate(outs)]
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=AGENT_TIMEOUT_S)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"deadlocked on ranks: {hung_ranks(outs[0])}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    return done
+
+
+@pytest.mark.slow
+def test_two_nodes_train_each_item_once_with_a_plane_per_pair(tmp_path: Path, run_inputs) -> None:  # noqa: F811
+    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=4, checkpoint_every=2)
+    run = tmp_path / "run"
+    agents = two_nodes(cfg, (run, run))
+    assert [a.returncode for a in agents] == [0, 0], [a.stderr[-2000:] for a in agents]
+    said = agents[0].stdout + agents[1].stdout
+    assert "data plane shm for pairs 0->1 (node 0)" in said  # the pair within a node shares memory
+    assert "data plane gloo for pairs 0->2 (across nodes), 0->3 (across nodes)" in said  # the others copy
+
+    s = assert_books_balance(run, 1, 3)
+    assert s["stopped_by"] == "max_steps" and s["steps"] == 4
+    ledger = read_ledger(run)
+    trained = [i for _, ids in ledger for i in ids]
+    assert len(ledger) == 4 and len(trained) == s["trained"] == 12 and max(Counter(trained).values()) == 1
+
+    places = s["placement"]["ranks"]  # every rank: its node (the launcher's) and its rank on that node
+    assert {r: (p["node"], p["local_rank"]) for r, p in places.items()} == {
+        "0": (0, 0), "1": (0, 1), "2": (1, 0), "3": (1, 1)}
+    assert s["placement"]["pairs"] == {"0->1": "shm", "0->2": "gloo", "0->3": "gloo"}
+    for r in [*read_records(run, "produce"), *read_records(run, "take")]:
+        assert (r["node"], r["local_rank"]) == (places[str(r["rank"])]["node"], places[str(r["rank"])]["local_rank"])
+
+
+@pytest.mark.slow
+def test_a_node_that_cannot_see_the_run_directory_fails_at_start_naming_it(tmp_path: Path,
+                                                                           run_inputs) -> None:  # noqa: F811
+    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=2)
+    run, elsewhere = tmp_path / "run", tmp_path / "not-mounted" / "run"
+    agents = two_nodes(cfg, (run, elsewhere))
+    for a in agents:  # each rank: one line, exit 2 (torchrun then reports its children's exit codes)
+        assert a.returncode != 0 and "Traceback" not in a.stderr.split("dflash train: error:")[-1].split("\n")[0]
+    lines = [x for a in agents for x in a.stderr.splitlines() if x.startswith("dflash train: error:")]
+    assert len(lines) == 4 and all("exitcode  : 2" in a.stderr for a in agents)
+    blind = [x for x in lines if "does not exist on node 1" in x]
+    assert len(blind) == 2 and all(str(elsewhere) in x for x in blind)  # the path and the node, by its ranks
+    assert all("not visible on node(s) 1 (ranks 2, 3)" in x for x in lines if x not in blind)  # and by the others
+    assert not elsewhere.parent.exists()  # nothing created where the node looked
+    assert not (run / "ledger.jsonl").exists()  # nothing trained
