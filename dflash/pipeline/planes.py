@@ -10,11 +10,12 @@ pair gets:
 - across nodes: the placement's copying plane (gloo on the CPU, host staging on a shared GPU, NCCL).
 
 The ranks probe sharing together, each mapping only its own node's buffers, and fall back together
-(every within-node pair then copies; the line says why). :class:`PairedTransport` is the one
-transport a rank's loops see: it hands each send or receive to the transport of that pair's plane.
-A pair's two ends compute the same table from the same gathered places, so they always agree.
+(every within-node pair then copies; the line says why). A pair's two ends compute the same table
+from the same gathered places, so they always agree.
 
-What this module never does: choose a plane by measuring, or let a pair change plane mid-run.
+Torch-free: this module is the table; :mod:`dflash.pipeline.paired` gathers the places, probes, and is
+the one transport a rank's loops see. What neither does: choose a plane by measuring, or let a pair
+change plane mid-run.
 """
 
 from __future__ import annotations
@@ -24,11 +25,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from dflash.pipeline.roles import FALLBACK, Roles, choose_plane, data_plane
-from dflash.pipeline.transport import Lease, PendingSend, TensorMeta, Transport, make_transport, probe_sharing
 
 NODE_ENV = "GROUP_RANK"  # torchrun's (and torch's elastic launcher's) node rank of this agent
 
@@ -96,53 +93,4 @@ def plan(places: tuple[RankPlace, ...], roles: Roles, within: str, refused: str 
     return PlaneMap(places, planes, refused)
 
 
-def settle(roles: Roles, within: str, device: torch.device) -> PlaneMap:
-    """Collective (every rank calls it once, after the process group): gather the places, probe sharing
-    within each node where a pair needs it, and return the table."""
-    gathered: list[Any] = [None] * roles.world_size
-    dist.all_gather_object(gathered, this_place(roles))
-    places = tuple(sorted(gathered, key=lambda p: p.rank))
-    planned = plan(places, roles, within)
-    refused = None
-    if within in FALLBACK and any(planned.planes[pair] == within for pair in planned.planes):
-        here = places[roles.rank].node
-        refused = probe_sharing(within, device, frozenset(p.rank for p in places if p.node == here))
-    return plan(places, roles, within, refused) if refused else planned
-
-
-class PairedTransport(Transport):
-    """A rank's one transport: each send or receive goes through its pair's plane (:class:`PlaneMap`)."""
-
-    kind = "per-pair"
-
-    def __init__(self, planes: PlaneMap, rank: int, device: torch.device) -> None:
-        super().__init__(device)
-        self.planes, self.rank = planes, rank
-        kinds = {plane for pair, plane in planes.planes.items() if rank in pair}
-        self._by_kind = {k: make_transport(k, device) for k in kinds}
-        self._leases: dict[Lease, Transport] = {}  # a lease goes back to the transport that made it (by identity)
-
-    @property
-    def wire(self) -> torch.device:
-        return self.device
-
-    def _for(self, peer: int) -> Transport:
-        return self._by_kind[self.planes.plane(self.rank, peer)]
-
-    def post_send(self, tensors: tuple[torch.Tensor, ...], dst: int, rnd: int) -> PendingSend:
-        return self._for(dst).post_send(tensors, dst, rnd)
-
-    def recv(self, metas: tuple[TensorMeta, ...], src: int, rnd: int) -> tuple[Lease, float]:
-        transport = self._for(src)
-        lease, seconds = transport.recv(metas, src, rnd)
-        self._leases[lease] = transport
-        return lease, seconds
-
-    def release(self, lease: Lease) -> None:
-        transport = self._leases.pop(lease, None)
-        if transport is None:
-            raise RuntimeError("a received item was released twice (or was not received here)")
-        transport.release(lease)
-
-
-__all__ = ["NODE_ENV", "PairedTransport", "PlaneMap", "RankPlace", "node_plane", "plan", "settle", "this_place"]
+__all__ = ["NODE_ENV", "PlaneMap", "RankPlace", "node_plane", "plan", "this_place"]

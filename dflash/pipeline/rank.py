@@ -40,7 +40,8 @@ from dflash.core.precision import autocast_on, state_dtype_name
 from dflash.pipeline.channel import Channel, connect
 from dflash.pipeline.context import Corpus, DrafterContext, RankContext, Signals, Start, StopRule
 from dflash.pipeline.hostmem import HostMemory
-from dflash.pipeline.planes import PairedTransport, node_plane, settle, this_place
+from dflash.pipeline.paired import PairedTransport, settle
+from dflash.pipeline.planes import node_plane, this_place
 from dflash.pipeline.roles import DATA_NCCL, FALLBACK, Roles, check_world, device_for, plane_line
 from dflash.pipeline.rundir import check_visible, may_create
 from dflash.pipeline.stageclock import StageClock
