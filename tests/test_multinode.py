@@ -16,7 +16,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,24 +40,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(cfg: Path, outs: tuple[Path, Path], *train: str) -> list[subprocess.CompletedProcess]:
-    """Both agents, started together; one that outlives its timeout fails naming what its ranks waited for."""
+def start_nodes(cfg: Path | None, outs: tuple[Path, Path], *train: str) -> list[subprocess.Popen]:
+    """Both agents (``cfg`` None: ``train`` says ``--resume RUN``), the first as 127.0.0.1, node 0."""
     port = free_port()
-    procs = [subprocess.Popen(
+    config = ["--config", str(cfg), "--out"] if cfg is not None else []
+    return [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
          "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
          "--rdzv-id", "rehearsal", "--local-addr", f"127.0.0.{node + 1}",
-         "-m", "dflash", "train", "--config", str(cfg), "--out", str(out), "--n-target", "1", "--n-drafter", "3",
-         "--wandb", "disabled", *train],
+         "-m", "dflash", "train", *config, *([str(out)] if cfg is not None else []), "--n-target", "1",
+         "--n-drafter", "3", "--wandb", "disabled", *train],
         cwd=ROOT, env={**os.environ, **LOOPBACK}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True) for node, out in enumerate(outs)]
+
+
+def finish(procs: list[subprocess.Popen], run: Path,
+           timeout: float = AGENT_TIMEOUT_S) -> list[subprocess.CompletedProcess]:
+    """Wait for the agents; one that outlives ``timeout`` fails the test naming what its ranks waited for."""
     done = []
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            out, err = p.communicate(timeout=AGENT_TIMEOUT_S)
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"deadlocked on ranks: {hung_ranks(outs[0])}")
+        pytest.fail(f"deadlocked on ranks: {hung_ranks(run)}")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -64,22 +73,43 @@ def two_nodes(cfg: Path, outs: tuple[Path, Path], *train: str) -> list[subproces
     return done
 
 
+def wait_for(what: Callable[[], bool], procs: list[subprocess.Popen], timeout: float = AGENT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            finish(procs, Path("."), timeout=1)
+            pytest.fail("the run ended or stalled before the point the test waits for")
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
-def test_two_nodes_train_each_item_once_with_a_plane_per_pair(tmp_path: Path, run_inputs) -> None:  # noqa: F811
-    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=4, checkpoint_every=2)
+def test_two_nodes_use_a_plane_per_pair_lose_a_node_and_resume_each_item_once(tmp_path: Path,
+                                                                             run_inputs) -> None:  # noqa: F811
+    """Node 1's agent is SIGKILLed after a checkpoint; node 0 stops within 30 s naming node 1's ranks;
+    both agents relaunched with --resume finish the run with the ledger exact."""
+    cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=40, checkpoint_every=2)
     run = tmp_path / "run"
-    agents = two_nodes(cfg, (run, run))
-    assert [a.returncode for a in agents] == [0, 0], [a.stderr[-2000:] for a in agents]
-    said = agents[0].stdout + agents[1].stdout
+    agents = start_nodes(cfg, (run, run))
+    wait_for(lambda: len(read_ledger(run)) >= 3 and any(run.glob("checkpoint/step-*/manifest.json")), agents)
+    os.kill(agents[1].pid, signal.SIGKILL)  # the agent; its ranks die with it (PR_SET_PDEATHSIG)
+    t_kill = time.monotonic()
+    survivor = finish(agents[:1], run, timeout=60)[0]
+    stopped_s = time.monotonic() - t_kill
+    agents[1].communicate()
+    assert survivor.returncode != 0 and stopped_s < 30, (stopped_s, survivor.stderr[-2000:])
+    assert "(node 1: ranks 2, 3)" in survivor.stderr  # the lost node and its ranks, by the coordinator
+    said = survivor.stdout
     assert "data plane shm for pairs 0->1 (node 0)" in said  # the pair within a node shares memory
     assert "data plane gloo for pairs 0->2 (across nodes), 0->3 (across nodes)" in said  # the others copy
 
-    s = assert_books_balance(run, 1, 3)
-    assert s["stopped_by"] == "max_steps" and s["steps"] == 4
+    again = finish(start_nodes(None, (run, run), "--resume", str(run), "--max-steps", "8"), run)
+    assert [a.returncode for a in again] == [0, 0], [a.stderr[-2000:] for a in again]
+    assert "resumed at step" in again[0].stdout
+    s = assert_books_balance(run, 1, 3, sessions=2)
     ledger = read_ledger(run)
     trained = [i for _, ids in ledger for i in ids]
-    assert len(ledger) == 4 and len(trained) == s["trained"] == 12 and max(Counter(trained).values()) == 1
-
+    assert [step for step, _ in ledger] == list(range(8)) and s["steps"] == 8
+    assert len(trained) == s["trained"] == 24 and max(Counter(trained).values()) == 1  # each item once
     places = s["placement"]["ranks"]  # every rank: its node (the launcher's) and its rank on that node
     assert {r: (p["node"], p["local_rank"]) for r, p in places.items()} == {
         "0": (0, 0), "1": (0, 1), "2": (1, 0), "3": (1, 1)}
@@ -93,7 +123,7 @@ def test_a_node_that_cannot_see_the_run_directory_fails_at_start_naming_it(tmp_p
                                                                            run_inputs) -> None:  # noqa: F811
     cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=2)
     run, elsewhere = tmp_path / "run", tmp_path / "not-mounted" / "run"
-    agents = two_nodes(cfg, (run, elsewhere))
+    agents = finish(start_nodes(cfg, (run, elsewhere)), run)
     for a in agents:  # each rank: one line, exit 2 (torchrun then reports its children's exit codes)
         assert a.returncode != 0 and "Traceback" not in a.stderr.split("dflash train: error:")[-1].split("\n")[0]
     lines = [x for a in agents for x in a.stderr.splitlines() if x.startswith("dflash train: error:")]

@@ -300,6 +300,7 @@ class RankRun:
         from dflash.pipeline.service import CoordinatorService, ResumeState
 
         self.status("starting the coordinator")
+        address = _reachable_address()  # the coordinator listens there only (loopback when MASTER_ADDR is)
         if self.spec.resume:
             start_step, run_id, state, ckpt = resolve_resume(self.out, self.progress)
         else:
@@ -309,9 +310,10 @@ class RankRun:
 
                 write_run_config(self.out, self.cfg)
         self.service = CoordinatorService(self.cfg, self.roles, self.sampler, self.out, run_id, resume=state,
-                                          wait_s=self.spec.wait_s, progress=self.progress, placement=self.planes)
+                                          wait_s=self.spec.wait_s, progress=self.progress, placement=self.planes,
+                                          bind=address)
         self.service.start()
-        return {"host": _reachable_address(), "port": self.service.hub.port, "start_step": start_step,
+        return {"host": address, "port": self.service.hub.port, "start_step": start_step,
                 "run_id": run_id, "checkpoint": None if ckpt is None else str(ckpt)}
 
     def gpu_samples(self) -> list[dict[str, Any]]:

@@ -101,7 +101,7 @@ class CoordinatorService:
 
     def __init__(self, cfg: DflashConfig, roles: Roles, sampler: Sampler, out: Path, run_id: str, *,
                  resume: ResumeState, wait_s: float, progress: Callable[[str], None],
-                 placement: PlaneMap | None = None) -> None:
+                 placement: PlaneMap | None = None, bind: str = "0.0.0.0") -> None:
         if resume.queue_config is not None:
             cfg = dataclasses.replace(cfg, queue=QueueConfig(**resume.queue_config))
         self.cfg, self.roles, self.out, self.wait_s, self.progress = cfg, roles, out, wait_s, progress
@@ -119,7 +119,7 @@ class CoordinatorService:
                              replay=resume.feed["pending"])
         self.before = dict(resume.counts)
         self.control = ControlWatch(out, resume.control_serial)
-        self.hub = Hub()
+        self.hub = Hub(bind)
         self.records = RecordWriter(out, run_id, "real")
         self.ledger = Ledger(out)
         self._t0 = time.monotonic() - resume.t
@@ -190,6 +190,7 @@ class CoordinatorService:
     def _main(self) -> None:
         try:
             self.hub.accept(list(range(self.roles.world_size)), self.wait_s)
+            self._name_nodes()
             self._write_control_start()
             self._apply_control(step=None, at_start=True)
             while len(self._byes) < self.roles.world_size:
@@ -392,6 +393,16 @@ class CoordinatorService:
                    **({"placement": self.placement.as_json()} if self.placement is not None else {}),
                    "queue": dict(self.queue.__dict__)}  # the knobs in force at the end
         self.summary = summary
+
+    def _name_nodes(self) -> None:
+        """On several nodes each channel names its rank's node and that node's ranks, so a lost node is named
+        by the first error it causes here (``rank 2 (node 1: ranks 2, 3) closed its control channel``)."""
+        if self.placement is None or len({p.node for p in self.placement.places}) < 2:
+            return
+        for rank, ch in self.hub.channels.items():
+            node = self.placement.places[rank].node
+            peers = ", ".join(str(p.rank) for p in self.placement.places if p.node == node)
+            ch.peer = f"rank {rank} (node {node}: ranks {peers})"
 
     def _place(self, rank: int) -> dict[str, int]:
         """A record's ``node`` and ``local_rank`` of ``rank`` (none for a service without a placement)."""
