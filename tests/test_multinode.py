@@ -133,3 +133,20 @@ def test_a_node_that_cannot_see_the_run_directory_fails_at_start_naming_it(tmp_p
     assert all("not visible on node(s) 1 (ranks 2, 3)" in x for x in lines if x not in blind)  # and by the others
     assert not elsewhere.parent.exists()  # nothing created where the node looked
     assert not (run / "ledger.jsonl").exists()  # nothing trained
+
+
+def test_a_resumed_run_directory_missing_on_a_node_is_one_line_naming_the_node(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash.cli.options import Opt, check_pure
+    from dflash.core.errors import ConfigError
+
+    resume, missing = Opt("--resume", "indir", "resume the run in this directory"), str(tmp_path / "not-mounted")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"--resume: must be an existing directory on node 1 \(host .+\)") as e:
+        check_pure(resume, missing)
+    assert "\n" not in e.value.line() and missing in e.value.line()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one node: no node to name
+    with pytest.raises(ConfigError, match="must be an existing directory \\(got"):
+        check_pure(resume, missing)
