@@ -40,15 +40,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(cfg: Path | None, outs: tuple[Path, Path], *train: str) -> list[subprocess.Popen]:
-    """Both agents (``cfg`` None: ``train`` says ``--resume RUN``), the first as 127.0.0.1, node 0."""
+def start_nodes(cfg: Path | None, outs: tuple[Path, Path], *train: str,
+                torchrun: bool = True) -> list[subprocess.Popen]:
+    """Both agents (``cfg`` None: ``train`` says ``--resume RUN``), the first as 127.0.0.1, node 0: torchrun's
+    (c10d), or dflash's own launcher (``dflash train --nnodes 2 --node-rank R --rdzv-endpoint``, static)."""
     port = free_port()
     config = ["--config", str(cfg), "--out"] if cfg is not None else []
+
+    def agent(node: int) -> list[str]:
+        if not torchrun:
+            return [sys.executable, "-m", "dflash", "train", "--nnodes", "2", "--node-rank", str(node),
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "2"]
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", "rehearsal", "--local-addr", f"127.0.0.{node + 1}", "-m", "dflash", "train"]
+
     return [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-         "--rdzv-id", "rehearsal", "--local-addr", f"127.0.0.{node + 1}",
-         "-m", "dflash", "train", *config, *([str(out)] if cfg is not None else []), "--n-target", "1",
+        [*agent(node), *config, *([str(out)] if cfg is not None else []), "--n-target", "1",
          "--n-drafter", "3", "--wandb", "disabled", *train],
         cwd=ROOT, env={**os.environ, **LOOPBACK}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True) for node, out in enumerate(outs)]
@@ -86,7 +94,7 @@ def wait_for(what: Callable[[], bool], procs: list[subprocess.Popen], timeout: f
 def test_two_nodes_use_a_plane_per_pair_lose_a_node_and_resume_each_item_once(tmp_path: Path,
                                                                              run_inputs) -> None:  # noqa: F811
     """Node 1's agent is SIGKILLed after a checkpoint; node 0 stops within 30 s naming node 1's ranks;
-    both agents relaunched with --resume finish the run with the ledger exact."""
+    both nodes relaunched with --resume (here by ``dflash train --nnodes 2``) finish with the ledger exact."""
     cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=40, checkpoint_every=2)
     run = tmp_path / "run"
     agents = start_nodes(cfg, (run, run))
@@ -102,7 +110,8 @@ def test_two_nodes_use_a_plane_per_pair_lose_a_node_and_resume_each_item_once(tm
     assert "data plane shm for pairs 0->1 (node 0)" in said  # the pair within a node shares memory
     assert "data plane gloo for pairs 0->2 (across nodes), 0->3 (across nodes)" in said  # the others copy
 
-    again = finish(start_nodes(None, (run, run), "--resume", str(run), "--max-steps", "8"), run)
+    # the relaunch through dflash's own launcher on two nodes (the same ranks, a static rendezvous)
+    again = finish(start_nodes(None, (run, run), "--resume", str(run), "--max-steps", "8", torchrun=False), run)
     assert [a.returncode for a in again] == [0, 0], [a.stderr[-2000:] for a in again]
     assert "resumed at step" in again[0].stdout
     s = assert_books_balance(run, 1, 3, sessions=2)
@@ -150,3 +159,22 @@ def test_a_resumed_run_directory_missing_on_a_node_is_one_line_naming_the_node(t
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one node: no node to name
     with pytest.raises(ConfigError, match="must be an existing directory \\(got"):
         check_pure(resume, missing)
+
+
+def test_several_nodes_of_dflash_s_own_launcher_need_a_rendezvous_endpoint_and_a_node_rank() -> None:
+    from dflash.core.errors import ConfigError
+    from dflash.pipeline.nodes import Nodes
+
+    assert Nodes.from_flags(None, None, None, under_launcher=False) == Nodes()
+    two = Nodes.from_flags(2, 1, "10.0.0.1:29400", under_launcher=False)
+    assert two.several and list(two.own_ranks(4)) == [4, 5, 6, 7]
+    for flags, says in [((2, 0, None), "--nnodes: above 1 needs --rdzv-endpoint HOST:PORT"),
+                        ((2, None, "h:29400"), "--node-rank: must be given with --nnodes 2"),
+                        ((2, 2, "h:29400"), "--node-rank: must be below --nnodes (2)"),
+                        ((2, 0, "h"), "--rdzv-endpoint: must be HOST:PORT"),
+                        ((None, 1, None), "--node-rank: is only for several nodes")]:
+        with pytest.raises(ConfigError) as e:
+            Nodes.from_flags(*flags, under_launcher=False)
+        assert e.value.line().startswith(says) and "\n" not in e.value.line()
+    with pytest.raises(ConfigError, match="--nnodes: is the launcher's own flag"):
+        Nodes.from_flags(2, 0, "h:1", under_launcher=True)

@@ -135,7 +135,8 @@ def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: Ba
     what = exc.line() if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
     line = " ".join(f"rank {rank} ({role}, pid {os.getpid()}): {what}".split())
     if not (out / RANKS_DIR).is_dir():  # a node that cannot see the run directory (dflash.pipeline.rundir): say it
-        print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
+        if not os.environ.get(LAUNCHED_BY_DFLASH) or os.environ.get("LOCAL_RANK", "0") == "0":  # dflash's: once
+            print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
         return
     if not isinstance(exc, ConfigError):  # the one line says what; the file says where
         tb = out / RANKS_DIR / f"rank-{rank}.traceback"
@@ -232,6 +233,9 @@ class RankRun:
         dist.broadcast_object_list(box, src=self.roles.coordinator_rank)
         self.info = box[0]
         self.channel = connect(self.info["host"], self.info["port"], self.roles.rank, self.spec.wait_s)
+        if len({p.node for p in self.planes.places}) > 1:  # a lost coordinator's node is named in the one line
+            host = self.planes.places[self.roles.coordinator_rank]
+            self.channel.peer = f"the coordinator (rank {host.rank}, node {host.node})"
         self.ctx = RankContext(self.cfg, self.roles, self.out, self.device, self.plane, self.channel, self.status,
                                self.progress, self.spec.wait_s, StopRule(self.cfg.train, self.roles.is_coordinator,
                                                                          self.signals), self.gpu_samples)
