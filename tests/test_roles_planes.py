@@ -60,3 +60,25 @@ def test_the_run_names_its_plane_and_why_sharing_was_refused() -> None:
     said = plane_line(DATA_GLOO, "rank 1: OSError: no /dev/shm")
     assert said.startswith("data plane: gloo") and "refused (rank 1: OSError: no /dev/shm)" in said
     assert "fallback" in said
+
+
+def test_each_pair_gets_its_own_plane_sharing_only_within_a_node() -> None:
+    """Several nodes: a pair on one node shares (shm, CUDA IPC), a pair across nodes copies; a refusal
+    makes every within-node pair copy; NCCL has nothing to share. Both ends read one table."""
+    from dflash.pipeline.planes import PlaneMap, RankPlace, plan
+    from dflash.pipeline.roles import Roles
+
+    roles = Roles(rank=0, world_size=4, local_rank=0, local_world_size=2, n_target=2, n_drafter=2)
+    places = (RankPlace(0, 0, 0, "a"), RankPlace(1, 1, 0, "b"), RankPlace(2, 0, 1, "a"), RankPlace(3, 1, 1, "b"))
+    cpu = plan(places, roles, DATA_SHM)
+    assert cpu.planes == {(0, 2): DATA_SHM, (0, 3): DATA_GLOO, (1, 2): DATA_GLOO, (1, 3): DATA_SHM}
+    assert cpu.plane(3, 1) == cpu.plane(1, 3) == DATA_SHM
+    assert cpu.lines() == ["data plane shm for pairs 0->2 (node 0), 1->3 (node 1)",
+                           "data plane gloo for pairs 0->3 (across nodes), 1->2 (across nodes)"]
+    assert cpu.as_json()["ranks"]["3"] == {"node": 1, "local_rank": 1, "host": "b"}
+    refused = plan(places, roles, DATA_SHM, refused="rank 2: no /dev/shm")
+    assert set(refused.planes.values()) == {DATA_GLOO} and "refused (rank 2: no /dev/shm)" in refused.lines()[-1]
+    gpu = plan(places, roles, DATA_IPC)
+    assert gpu.planes[(0, 2)] == DATA_IPC and gpu.planes[(0, 3)] == DATA_HOST
+    assert set(plan(places, roles, DATA_NCCL).planes.values()) == {DATA_NCCL}
+    assert isinstance(cpu, PlaneMap)

@@ -112,6 +112,17 @@ N_TARGET = Opt("--n-target", "int", "target workers (>= 1)", key="cluster.n_targ
 N_DRAFTER = Opt("--n-drafter", "int", "drafter workers (>= 1)", key="cluster.n_drafter", metavar="N")
 
 
+def on_this_node() -> str:
+    """`` on node N (host H)`` for a rank of a job on several nodes (each node checks its own view of a path:
+    a run directory on storage one node does not mount is missing there only); empty otherwise."""
+    env = os.environ
+    if "GROUP_RANK" not in env or env.get("LOCAL_WORLD_SIZE", "1") == env.get("WORLD_SIZE", "1"):
+        return ""
+    import socket
+
+    return f" on node {env['GROUP_RANK']} (host {socket.gethostname()})"
+
+
 def check_pure(opt: Opt, value: Any) -> None:
     """Validate one value of a flag that is not a config key."""
     flag, kind = opt.flag, opt.kind
@@ -130,7 +141,7 @@ def check_pure(opt: Opt, value: Any) -> None:
         what = {"infile": "an existing file", "indir": "an existing directory",
                 "inpath": "an existing file or directory"}[kind]
         if not value or not ok:
-            raise ConfigError(flag, f"must be {what}", value)
+            raise ConfigError(flag, f"must be {what}{on_this_node()}", value)
     elif kind in ("outfile", "outdir"):
         check_out_path(flag, value, kind)
 

@@ -13,6 +13,9 @@ drafter rank also runs the coordinator thread (:mod:`~dflash.pipeline.service` a
 - ``service``: the coordinator thread: channel, feed, records, ledger, live control;
 - ``channel``: the control plane (sockets, timeouts, never tensors);
 - ``transport``: the data plane (point-to-point rounds; gloo, NCCL, host-staged);
+- ``planes``, ``paired``: one data plane per producer -> drafter pair (sharing within a node, copying
+  across nodes; the table is torch-free) and the transport that dispatches by pair;
+- ``rundir``: every rank sees the one run directory (checked together at start);
 - ``workers``, ``drafter_loop``: the producer and drafter loops; ``optim``: the optimizer and the
   learning-rate schedule;
 - ``ledger``, ``checkpoint``, ``resume``: exact resume, fail-closed checkpoints, control file;

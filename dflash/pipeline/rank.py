@@ -42,18 +42,11 @@ from dflash.pipeline.channel import Channel, ChannelError, connect
 from dflash.pipeline.context import Corpus, DrafterContext, RankContext, Signals, Start, StopRule
 from dflash.pipeline.hostmem import HostMemory, return_freed_memory
 from dflash.pipeline.messages import Beat, Failed
-from dflash.pipeline.roles import (
-    DATA_NCCL,
-    FALLBACK,
-    Roles,
-    check_world,
-    choose_plane,
-    data_plane,
-    device_for,
-    plane_line,
-)
+from dflash.pipeline.paired import PairedTransport, settle
+from dflash.pipeline.planes import node_plane, this_place
+from dflash.pipeline.roles import DATA_NCCL, FALLBACK, Roles, check_world, device_for, plane_line
+from dflash.pipeline.rundir import check_visible, may_create
 from dflash.pipeline.stageclock import StageClock
-from dflash.pipeline.transport import make_transport, probe_sharing
 from dflash.pipeline.workers import DrafterWorker, Producer, Status, capture_item
 
 if TYPE_CHECKING:
@@ -101,7 +94,9 @@ def rank_main(spec: RunSpec) -> int:
     _die_with_parent()
     _keep_fds_from_helpers()
     out = Path(spec.out)
-    (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+    world = os.environ.get("WORLD_SIZE", "1")
+    if may_create(out, int(os.environ.get("LOCAL_WORLD_SIZE", world)), int(world)):  # else: checked with its peers
+        (out / RANKS_DIR).mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     status = Status(out / RANKS_DIR / f"rank-{rank}.status", rank)
     rr: RankRun | None = None
@@ -159,6 +154,10 @@ def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: Ba
     role = "target" if rank < spec.cfg.cluster.n_target else "drafter"
     what = exc.line() if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
     line = " ".join(f"rank {rank} ({role}, pid {os.getpid()}): {what}".split())
+    if not (out / RANKS_DIR).is_dir():  # a node that cannot see the run directory (dflash.pipeline.rundir): say it
+        if not os.environ.get(LAUNCHED_BY_DFLASH) or os.environ.get("LOCAL_RANK", "0") == "0":  # dflash's: once
+            print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
+        return
     if not isinstance(exc, ConfigError):  # the one line says what; the file says where
         tb = out / RANKS_DIR / f"rank-{rank}.traceback"
         tb.write_text(f"{line}\n\n" + "".join(traceback.format_exception(exc)))
@@ -241,9 +240,8 @@ class RankRun:
     # ------------------------------------------------------------------ set-up
     def run(self) -> int:
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        one_node = self.roles.local_world_size == self.roles.world_size
-        self.plane = choose_plane(data_plane(cuda, self.roles.local_world_size), one_node=one_node,
-                                  requested=os.environ.get(DATA_PLANE_ENV, "auto"))
+        # the plane of pairs within a node; pairs across nodes copy (dflash.pipeline.planes)
+        self.plane = node_plane(cuda, self.roles.local_world_size, os.environ.get(DATA_PLANE_ENV, "auto"))
         self.device = torch.device(device_for(self.roles.local_rank, cuda))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -258,12 +256,18 @@ class RankRun:
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=self.spec.pg_timeout_s))
         self.drafter_group = dist.new_group(self.roles.drafter_ranks)
+        check_visible(self.out, self.roles.rank, this_place(self.roles).node)  # every node sees the run directory
         if self.plane == DATA_NCCL:  # NCCL point-to-point: the world's first NCCL call must involve every rank
             dist.all_reduce(torch.zeros(1, device=self.device))
-        refused = probe_sharing(self.plane, self.device) if self.plane in FALLBACK else None
-        if refused is not None:
+        self.planes = settle(self.roles, self.plane, self.device)
+        if self.planes.refused is not None:
             self.plane = FALLBACK[self.plane]
-        self.progress(plane_line(self.plane, refused))
+        if len(set(self.planes.planes.values())) == 1:  # one plane for every pair: the one line it always was
+            self.plane = next(iter(self.planes.planes.values()))
+            self.progress(plane_line(self.plane, self.planes.refused))
+        else:
+            for line in self.planes.lines():
+                self.progress(line)
         self._load()
         info = self._host_setup() if self.roles.is_coordinator else None
         box = [info]
@@ -271,6 +275,9 @@ class RankRun:
         self.info = box[0]
         self.channel = connect(self.info["host"], self.info["port"], self.roles.rank, self.spec.wait_s)
         heartbeat = Heartbeat(lambda: self.channel.send(Beat())).start()  # its silence: a dead rank (abort.py)
+        if len({p.node for p in self.planes.places}) > 1:  # a lost coordinator's node is named in the one line
+            host = self.planes.places[self.roles.coordinator_rank]
+            self.channel.peer = f"the coordinator (rank {host.rank}, node {host.node})"
         self.ctx = RankContext(self.cfg, self.roles, self.out, self.device, self.plane, self.channel, self.status,
                                self.progress, self.spec.wait_s, StopRule(self.cfg.train, self.roles.is_coordinator,
                                                                          self.signals), self.gpu_samples)
@@ -341,6 +348,7 @@ class RankRun:
         from dflash.pipeline.service import CoordinatorService, ResumeState
 
         self.status("starting the coordinator")
+        address = _reachable_address()  # the coordinator listens there only (loopback when MASTER_ADDR is)
         if self.spec.resume:
             start_step, run_id, state, ckpt = resolve_resume(self.out, self.progress)
         else:
@@ -350,9 +358,10 @@ class RankRun:
 
                 write_run_config(self.out, self.cfg)
         self.service = CoordinatorService(self.cfg, self.roles, self.sampler, self.out, run_id, resume=state,
-                                          wait_s=self.spec.wait_s, progress=self.progress)
+                                          wait_s=self.spec.wait_s, progress=self.progress, placement=self.planes,
+                                          bind=address)
         self.service.start()
-        return {"host": _reachable_address(), "port": self.service.hub.port, "start_step": start_step,
+        return {"host": address, "port": self.service.hub.port, "start_step": start_step,
                 "run_id": run_id, "checkpoint": None if ckpt is None else str(ckpt)}
 
     def gpu_samples(self) -> list[dict[str, Any]]:
@@ -375,13 +384,17 @@ class RankRun:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, handler)
 
+    def _transport(self) -> PairedTransport:
+        """This rank's data plane: each pair's own (dflash.pipeline.planes)."""
+        return PairedTransport(self.planes, self.roles.rank, self.device)
+
     # ------------------------------------------------------------------ target
     def _run_producer(self) -> None:
         from dflash.pipeline.heldout import prepare_on_target
 
         # train.quality_every: the held-out set's states, once, before producing
         prepare_on_target(self.ctx, self.corpus, self.capture, self.state_dtype)
-        transport = make_transport(self.plane, self.device)
+        transport = self._transport()
         clock = StageClock(self.device)
 
         def make(spec: Any) -> tuple[torch.Tensor, ...]:
@@ -403,7 +416,7 @@ class RankRun:
             new_phase = self.scheduler.load_state_dict(
                 state["scheduler"], step=int(self.info["start_step"]), elapsed_s=float(state.get("elapsed_s", 0.0)),
                 train=self.cfg.train)
-        worker = DrafterWorker(self.channel, make_transport(self.plane, self.device), self.drafter, self.optimizer,
+        worker = DrafterWorker(self.channel, self._transport(), self.drafter, self.optimizer,
                                self.scheduler, group=self.drafter_group, reduce_device=self.reduce_device,
                                device=self.device, seed=self.cfg.seed, grad_clip=self.cfg.train.grad_clip,
                                autocast=self.autocast, wait_s=self.spec.wait_s, check=self.spec.check_transfers,

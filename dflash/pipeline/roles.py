@@ -26,8 +26,9 @@ DATA_HOST = "host"  # one GPU shared by the node's ranks: staged through host me
 DATA_SHM = "shm"  # CPU ranks of one node: the producer's buffer is shared memory, only its handle travels
 DATA_IPC = "cuda-ipc"  # ranks sharing one GPU: the producer's device buffer is opened by CUDA IPC
 
-# A sharing plane upgrades a copying one when every rank is on one node; the copying one is its fallback
-# (used where the sharing is refused: the ranks probe it together at start).
+# A sharing plane upgrades a copying one for the pairs of ranks on one node (dflash.pipeline.planes: pairs
+# across nodes copy); the copying one is its fallback (used where the sharing is refused: the ranks probe
+# it together at start).
 SHARING = {DATA_GLOO: DATA_SHM, DATA_HOST: DATA_IPC}
 FALLBACK = {shared: copying for copying, shared in SHARING.items()}
 CPU_DEFAULT_SHARING = True  # measured: benchmarks/transport.py (RESULTS.md, "data planes on the CPU")
@@ -103,7 +104,7 @@ def data_plane(cuda_devices: int, local_world_size: int) -> str:
 def choose_plane(placement: str, *, one_node: bool, requested: str = "auto") -> str:
     """The plane to try, given the placement's copying plane (:func:`data_plane`).
 
-    ``auto``: the sharing plane where every rank is on one node (CPU ranks only when
+    ``auto``: the sharing plane for ranks on one node (``one_node``: the pair's two ranks; CPU ranks only when
     ``CPU_DEFAULT_SHARING``), else the placement's own. A requested plane must fit the placement
     (``DFLASH_DATA_PLANE``; ConfigError otherwise). The ranks still probe a sharing plane before using it.
     """

@@ -36,6 +36,7 @@ from dflash.pipeline.roles import Roles
 
 if TYPE_CHECKING:
     from dflash.core.autopilot import Autopilot
+    from dflash.pipeline.planes import PlaneMap
 
 CONTROL_POLL_S = 0.25  # how often the control file is read (between takes)
 
@@ -104,10 +105,12 @@ class CoordinatorService:
     """The coordinator thread's state and loop; ``start()`` runs it, ``join()`` waits for the summary."""
 
     def __init__(self, cfg: DflashConfig, roles: Roles, sampler: Sampler, out: Path, run_id: str, *,
-                 resume: ResumeState, wait_s: float, progress: Callable[[str], None]) -> None:
+                 resume: ResumeState, wait_s: float, progress: Callable[[str], None],
+                 placement: PlaneMap | None = None, bind: str = "0.0.0.0") -> None:
         if resume.queue_config is not None:
             cfg = dataclasses.replace(cfg, queue=QueueConfig(**resume.queue_config))
         self.cfg, self.roles, self.out, self.wait_s, self.progress = cfg, roles, out, wait_s, progress
+        self.placement = placement  # each rank's node and local rank, each pair's plane (dflash.pipeline.planes)
         self.sampler = sampler
         self.coord = Coordinator(cfg.queue, sampler.n_buckets, roles.n_target, roles.n_drafter,
                                  mix=sampler.item_mix(), seed=cfg.seed, sync=cfg.cluster.drafter_sync)
@@ -121,7 +124,7 @@ class CoordinatorService:
                              replay=resume.feed["pending"])
         self.before = dict(resume.counts)
         self.control = ControlWatch(out, resume.control_serial)
-        self.hub = Hub()
+        self.hub = Hub(bind)
         self.records = RecordWriter(out, run_id, "real")
         self.ledger = Ledger(out)
         self._t0 = time.monotonic() - resume.t
@@ -194,6 +197,7 @@ class CoordinatorService:
             silent_s = heartbeat_timeout_s()
             self.hub.accept(list(range(self.roles.world_size)), self.wait_s)
             seen = dict.fromkeys(range(self.roles.world_size), time.monotonic())  # each rank's last message
+            self._name_nodes()
             self._write_control_start()
             self._apply_control(step=None, at_start=True)
             while len(self._byes) < self.roles.world_size:
@@ -299,7 +303,8 @@ class CoordinatorService:
         self.produced += 1
         self.producer_blocked_s += blocked_s
         self.records.write("produce", t=info.t_end, item_id=item_id, worker=info.rank, rank=info.rank,
-                           pid=info.ready.pid, host=info.ready.host, device=info.ready.device, bucket=spec.bucket,
+                           pid=info.ready.pid, host=info.ready.host, device=info.ready.device, **self._place(info.rank),
+                           bucket=spec.bucket,
                            n_seqs=spec.n_seqs, real_tokens=spec.real_tokens,
                            padded_len=spec.padded_len, t_start=info.t_start, t_end=info.t_end,
                            blocked_s=blocked_s, bytes=info.ready.nbytes, t_put=t, stages=info.ready.stages)
@@ -368,7 +373,7 @@ class CoordinatorService:
                                           f"it was not assigned")
                 self.mix.add_take(a.bucket, [i.padded_len for i in a.items])
                 self.records.write("take", t=a.t, drafter=d, rank=self.roles.n_target + d, pid=done[d].pid,
-                                   host=done[d].host, device=done[d].device,
+                                   host=done[d].host, device=done[d].device, **self._place(self.roles.n_target + d),
                                    step=step, item_ids=list(take.item_ids), bucket=a.bucket, wait_s=a.wait_s,
                                    depth_before=a.depth_before, bucket_depths=list(a.bucket_depths), gate=a.gate,
                                    rounds=[x.round for x in a.transfers],
@@ -409,8 +414,26 @@ class CoordinatorService:
                                    "producer_blocked_s": self.producer_blocked_s,
                                    "drafter_wait_s": self.drafter_wait_s},
                    "ranks": {"targets": self.roles.target_ranks, "drafters": self.roles.drafter_ranks},
+                   **({"placement": self.placement.as_json()} if self.placement is not None else {}),
                    "queue": dict(self.queue.__dict__)}  # the knobs in force at the end
         self.summary = summary
+
+    def _name_nodes(self) -> None:
+        """On several nodes each channel names its rank's node and that node's ranks, so a lost node is named
+        by the first error it causes here (``rank 2 (node 1: ranks 2, 3) closed its control channel``)."""
+        if self.placement is None or len({p.node for p in self.placement.places}) < 2:
+            return
+        for rank, ch in self.hub.channels.items():
+            node = self.placement.places[rank].node
+            peers = ", ".join(str(p.rank) for p in self.placement.places if p.node == node)
+            ch.peer = f"rank {rank} (node {node}: ranks {peers})"
+
+    def _place(self, rank: int) -> dict[str, int]:
+        """A record's ``node`` and ``local_rank`` of ``rank`` (none for a service without a placement)."""
+        if self.placement is None:
+            return {}
+        place = self.placement.places[rank]
+        return {"node": place.node, "local_rank": place.local_rank}
 
     # ------------------------------------------------------------------ checkpoints
     def snapshot(self, step: int, timeout: float) -> dict[str, Any]:

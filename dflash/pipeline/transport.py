@@ -443,8 +443,11 @@ def decode_handle(msg: torch.Tensor) -> Any:
     return pickle.loads(raw[4:4 + n])  # a peer rank of this job, over the job's own process group
 
 
-def probe_sharing(kind: str, device: torch.device) -> str | None:
+def probe_sharing(kind: str, device: torch.device, peers: frozenset[int] | None = None) -> str | None:
     """Can every rank of the job map every other rank's shared buffer? None if so, else the first refusal.
+
+    ``peers``: the ranks whose buffers this rank maps (its own node's: sharing never crosses a node,
+    dflash.pipeline.planes); every rank's by default.
 
     A collective over the whole world (every rank calls it): each rank shares a small buffer holding
     its rank number, gathers everyone's handles, maps the others' and checks the bytes. Sharing can be
@@ -464,7 +467,7 @@ def probe_sharing(kind: str, device: torch.device) -> str | None:
     got: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(got, (handle, reason))
     for peer, (peer_handle, why) in enumerate(got):
-        if peer == rank or reason is not None:
+        if peer == rank or reason is not None or (peers is not None and peer not in peers):
             continue
         if peer_handle is None:
             reason = why

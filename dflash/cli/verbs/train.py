@@ -31,9 +31,15 @@ RUN_FILES = ("config.json", "ledger.jsonl", "control.jsonl", "produce.jsonl", "t
 def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     """Check the run directory and the launch, then run the ranks (dflash.pipeline.launch)."""
     from dflash.pipeline.launch import check_launch, launch, under_launcher
+    from dflash.pipeline.nodes import Nodes
     from dflash.pipeline.rank import RunSpec
 
-    if under_launcher() and not _is_first_rank() and not args.resume:
+    nodes = Nodes.from_flags(args.nnodes, args.node_rank, args.rdzv_endpoint, under_launcher=under_launcher())
+    if nodes.several and not (args.out or args.resume):
+        raise ConfigError("--out", f"must be given with --nnodes {nodes.count}: the same path on every node "
+                          "(storage every node sees)", show_got=False)
+    lead = _is_first_rank() if under_launcher() else nodes.rank == 0  # the process that prepares the directory
+    if not lead and not args.resume:
         out, resume = _default_out(args), False  # the first rank checks and prepares the directory
     else:
         out, resume = _run_dir(args, cfg)
@@ -41,26 +47,25 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
         return 0
     said: list[str] = []
     cfg = _pin_data(cfg, said.append)
-    local = check_launch(cfg, args.nproc_per_node)  # world size, GPUs per node: before any model loads
+    local = check_launch(cfg, args.nproc_per_node, nodes)  # world size, GPUs per node: before any model loads
     from dflash.pipeline.hostmem import check_node_fits
 
     cfg.cluster.check_trainable()  # a sharded target is simulator-only
+    node = int(os.environ.get("GROUP_RANK", 0)) if under_launcher() else nodes.rank
     # pre-flight: each device of this node holds the roles placed on it (its own capacity; --force: start anyway)
-    check_node_fits(cfg, local, force=args.force,
-                    node_rank_offset=int(os.environ.get("GROUP_RANK", 0)) * local if under_launcher() else 0)
-    if not under_launcher() or _is_first_rank():  # the data set and model path, once, before any rank starts
+    check_node_fits(cfg, local, force=args.force, node_rank_offset=node * local)
+    if lead:  # the data set and model path, once, before any rank starts
         from dflash.data.preflight import check_data_inputs
 
         check_data_inputs(cfg.workload, cfg.target.model)
         print(*said, flush=True)  # the data line, once the data proved usable
-    if any(d != "cpu" for d in (*cfg.target.devices, *cfg.drafter.devices)) and (not under_launcher()
-                                                                                  or _is_first_rank()):
+    if any(d != "cpu" for d in (*cfg.target.devices, *cfg.drafter.devices)) and lead:
         print("note: [target] devices and [drafter] devices are not used by dflash train: each rank uses "
               "cuda:LOCAL_RANK when CUDA is available, else the CPU")
-    if not under_launcher() or _is_first_rank():
+    if lead:
         _prepare(out, cfg, resume=bool(resume))
     spec = RunSpec(cfg, str(out), resume=bool(resume), wandb=args.wandb, **debug_knobs())
-    return launch(spec, args.nproc_per_node)
+    return launch(spec, args.nproc_per_node, nodes=nodes)
 
 
 def _pin_data(cfg: DflashConfig, say: Any) -> DflashConfig:
@@ -207,6 +212,12 @@ VERB = Verb("real training run, one process per device", base_config=_base_confi
         N_DRAFTER,
         Opt("--nproc-per-node", "int", "processes to start on this node (>= 1; default n_target + n_drafter)",
             lo=1, metavar="N"),
+        Opt("--nnodes", "int", "nodes of the job, each started with this command (>= 1; above 1 needs "
+            "--node-rank and --rdzv-endpoint; under torchrun give them to torchrun)", lo=1, metavar="N"),
+        Opt("--node-rank", "int", "this node's number, 0 .. nnodes - 1 (node 0 prepares the run directory)",
+            lo=0, metavar="R"),
+        Opt("--rdzv-endpoint", "str", "where node 0 meets the other nodes, the same on every node",
+            metavar="HOST:PORT"),
         Opt("--target-devices", "str", "retired (see the device rule in --help of --nproc-per-node)", metavar="LIST"),
         Opt("--drafter-devices", "str", "retired (see the device rule)", metavar="LIST"),
         Opt("--max-steps", "int", "stop after this many steps (>= 1)", key="train.max_steps", metavar="N"),
