@@ -1,12 +1,40 @@
-"""Issue 34's hot path on the CPU: the host-planned loss equals the device path, and a drafter step reads
-the device at most once (the sync counter), and stage timers read their events a step later."""
+"""Issue 34's hot path on the CPU: the host-planned loss equals the device path and reads no device value
+(a tensor subclass marks the received tensors and everything computed from them, and counts every op that
+makes a GPU host wait on one); stage timers read events once complete."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.utils._pytree import tree_flatten
 
-from dflash.model.hostsync import HostMasks, counting, spans
+from dflash.model.hostsync import HostMasks, counting, spans, to_host
+from dflash.pipeline.streams import NullEvent, StageTimer
 from tests.test_drafter import make, rand_batch
+
+SYNC_OPS = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "masked_select", "numpy",
+            "unique", "__len__"}
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor standing for a device one: ops on it stay OnDevice, and host reads of it are counted."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        rest = tree_flatten((args[1:], kwargs))[0]
+        if name in SYNC_OPS:
+            cls.reads.append(name)
+        elif name == "__getitem__" and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in rest):
+            cls.reads.append("boolean index")
+        elif name in ("to", "cpu") and any(str(a) == "cpu" for a in rest) or name == "cpu":
+            cls.reads.append("copy to the host")
+        elif name == "repeat_interleave" and any(isinstance(a, torch.Tensor) for a in rest):
+            cls.reads.append("repeat_interleave by a tensor")
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def test_spans_round_trip_masks_with_several_runs():
@@ -16,24 +44,68 @@ def test_spans_round_trip_masks_with_several_runs():
     assert torch.equal(h.loss_mask(), m) and h.lengths.tolist() == [3, 6, 0]
 
 
-def test_host_planned_loss_equals_the_device_path_without_a_device_read():
-    """Same anchors, rows, loss, weight, counts and gradients; the planned path never calls ``to_host``."""
+@pytest.mark.slow  # ~2.7 s at load 15 (the tensor subclass makes every op a Python call)
+def test_host_planned_loss_equals_the_device_path_and_reads_no_device_value():
+    """Same anchors, rows, loss, weight, counts and gradients; the device path reads the device many times
+    (so the count can fail), the planned one never; the step's one read is its stats (``to_host``)."""
     target, drafter = make(block_size=4, layers=1, anchors=5)
-    ids, am, lm, ctx = rand_batch(target, [30, 17, 23], resp_from=3)
-    lm[1, 8:10] = False  # a second response span in one row
+    ids, am, lm, ctx = rand_batch(target, [14, 9, 12], resp_from=3)
+    lm[0, 6:8] = False  # a second response span in one row
+    host = HostMasks.of(am, lm)
 
     def run(**kw):
         drafter.zero_grad()
-        out = drafter.loss(ctx, ids, lm, am, generator=torch.Generator().manual_seed(3), **kw)
+        OnDevice.reads = []
+        dev = [t.as_subclass(OnDevice) for t in (ctx, ids, lm, am)]
+        out = drafter.loss(*dev, generator=torch.Generator().manual_seed(3), **kw)
         out.loss_sum.backward()
-        return out, [p.grad.clone() for p in drafter.trainable_parameters()]
+        return out, [p.grad.clone() for p in drafter.trainable_parameters()], list(OnDevice.reads)
 
-    ref, g_ref = run()
-    with counting() as n:
-        got, g_got = run(host=HostMasks.of(am, lm))
-    assert n.n == 0
+    ref, g_ref, ref_reads = run()
+    got, g_got, got_reads = run(host=host)
+    assert len(ref_reads) >= 5 and got_reads == [], (ref_reads, got_reads)
     assert (got.tokens, got.anchors, got.context_seen) == (ref.tokens, ref.anchors, ref.context_seen)
-    assert got.tokens > 0 and got.weight_sum == ref.weight_sum and int(got.correct) == ref.correct
-    torch.testing.assert_close(got.loss_sum, ref.loss_sum, rtol=0, atol=0)
+    assert got.tokens > 0 and got.weight_sum == ref.weight_sum
+    torch.testing.assert_close(got.loss_sum.as_subclass(torch.Tensor), ref.loss_sum.as_subclass(torch.Tensor),
+                               rtol=0, atol=0)
     for a, b in zip(g_ref, g_got, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with counting() as n:  # the step folds loss and hits into one read
+        to_host(torch.stack([got.loss_sum.detach(), got.correct.double()]), "stats")
+    assert n.n == 1 and n.where == ("stats",) and OnDevice.reads == ["tolist"]
+
+
+class LateEvent(NullEvent):
+    """An event that can be told its device work has not run yet (what a GPU event is before the sync)."""
+
+    __slots__ = ("done",)
+    made: list[LateEvent] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = True
+        LateEvent.made.append(self)
+
+    def query(self) -> bool:
+        return self.done and super().query()
+
+
+def test_stage_timer_reads_finished_stages_in_order_and_the_rest_a_step_later(monkeypatch):
+    import dflash.pipeline.streams as streams
+
+    monkeypatch.setattr(streams, "new_event", lambda device: LateEvent())
+    timer, first, second = StageTimer(torch.device("cpu")), {}, {}
+    with timer.stage("forward_s"):
+        pass
+    timer.add("transfer_s", 0.25)
+    with timer.stage("optimizer_s"):
+        pass
+    late = LateEvent.made[-1]
+    late.done = False  # the optimizer's end has not run at this step's read
+    with timer.stage("next_s"):
+        pass
+    timer.collect(first)
+    assert list(first) == ["forward_s", "transfer_s"] and first["transfer_s"] == 0.25 and timer.pending == 2
+    late.done = True
+    timer.collect(second)
+    assert list(second) == ["optimizer_s", "next_s"] and timer.pending == 0

@@ -15,6 +15,7 @@ present, ``torch.cuda.set_sync_debug_mode`` checks the same thing on the device 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import torch
 
 _lock = threading.Lock()
 _count = 0
-_where: list[str] = []
+_where: deque[str] = deque(maxlen=256)  # the latest sync points, for a test's message
 
 
 def note_sync(where: str) -> None:
@@ -35,6 +36,11 @@ def note_sync(where: str) -> None:
         _where.append(where)
 
 
+def total() -> int:
+    """Host syncs counted in this process so far."""
+    return _count
+
+
 def to_host(t: torch.Tensor, where: str = "to_host") -> list[Any]:
     """``t.tolist()``, counted as one host sync (free on the CPU, a wait for the device on a GPU)."""
     note_sync(where)
@@ -43,7 +49,7 @@ def to_host(t: torch.Tensor, where: str = "to_host") -> list[Any]:
 
 @dataclass
 class SyncCount:
-    """Host syncs counted inside one :func:`counting` block, and where each happened."""
+    """Host syncs counted inside one :func:`counting` block, and where the latest happened."""
 
     n: int = 0
     where: tuple[str, ...] = ()
@@ -52,15 +58,14 @@ class SyncCount:
 @contextmanager
 def counting() -> Iterator[SyncCount]:
     """Counts the syncs made inside the block (all threads of the process)."""
-    start = len(_where)
+    start = total()
     out = SyncCount()
     try:
         yield out
     finally:
         with _lock:
-            out.where = tuple(_where[start:])
-            out.n = len(out.where)
-            del _where[start:]
+            out.n = _count - start
+            out.where = tuple(_where)[-min(out.n, len(_where)):] if out.n else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,4 +125,4 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-__all__ = ["HostMasks", "SyncCount", "counting", "note_sync", "spans", "to_device", "to_host"]
+__all__ = ["HostMasks", "SyncCount", "counting", "note_sync", "spans", "to_device", "to_host", "total"]

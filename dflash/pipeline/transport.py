@@ -221,8 +221,9 @@ class Transport:
         self._irecv_into(out, src, rnd)
         return Lease(out, buf), time.perf_counter() - t0
 
-    def release(self, lease: Lease) -> None:
-        """The caller no longer uses the lease's tensors: what backs them may be reused."""
+    def release(self, lease: Lease, settled: bool = False) -> None:
+        """The caller no longer uses the lease's tensors: what backs them may be reused (``settled``: the caller
+        has already seen every kernel that read them finish, so a sharing plane need not wait again)."""
         if lease.released:
             raise RuntimeError("a received item was released twice")
         lease.released, lease.tensors = True, ()
@@ -317,11 +318,12 @@ class SharingTransport(Transport):
                                f"fewer than the item's {need}")
         return Lease(views(flat, metas), ack=(src, rnd)), time.perf_counter() - t0
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: Lease, settled: bool = False) -> None:
         ack = lease.ack
         super().release(lease)
         if ack is not None:
-            self._settle()  # every kernel that read the views has finished before the producer may reuse them
+            if not settled:
+                self._settle()  # every kernel that read the views has finished before the producer may reuse them
             src, rnd = ack
             dist.send(torch.ones(1, dtype=torch.uint8), src, group=self.group, tag=ack_tag(rnd))
 
