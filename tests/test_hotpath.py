@@ -4,6 +4,8 @@ makes a GPU host wait on one); stage timers read events once complete."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten
@@ -19,7 +21,7 @@ SYNC_OPS = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "
 class OnDevice(torch.Tensor):
     """A CPU tensor standing for a device one: ops on it stay OnDevice, and host reads of it are counted."""
 
-    reads: list[str] = []
+    reads: ClassVar[list[str]] = []
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -30,7 +32,7 @@ class OnDevice(torch.Tensor):
             cls.reads.append(name)
         elif name == "__getitem__" and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in rest):
             cls.reads.append("boolean index")
-        elif name in ("to", "cpu") and any(str(a) == "cpu" for a in rest) or name == "cpu":
+        elif name == "cpu" or (name == "to" and any(str(a) == "cpu" for a in rest)):
             cls.reads.append("copy to the host")
         elif name == "repeat_interleave" and any(isinstance(a, torch.Tensor) for a in rest):
             cls.reads.append("repeat_interleave by a tensor")
@@ -79,7 +81,7 @@ class LateEvent(NullEvent):
     """An event that can be told its device work has not run yet (what a GPU event is before the sync)."""
 
     __slots__ = ("done",)
-    made: list[LateEvent] = []
+    made: ClassVar[list[LateEvent]] = []
 
     def __init__(self) -> None:
         super().__init__()
