@@ -11,6 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from dflash.model.hostsync import HostMasks, counting, spans, to_host
+from dflash.model.planned_loss import planned_loss
 from dflash.pipeline.streams import NullEvent, StageTimer
 from tests.test_drafter import make, rand_batch
 
@@ -55,16 +56,17 @@ def test_host_planned_loss_equals_the_device_path_and_reads_no_device_value():
     lm[0, 6:8] = False  # a second response span in one row
     host = HostMasks.of(am, lm)
 
-    def run(**kw):
+    def run(planned: bool):
         drafter.zero_grad()
         OnDevice.reads = []
         dev = [t.as_subclass(OnDevice) for t in (ctx, ids, lm, am)]
-        out = drafter.loss(*dev, generator=torch.Generator().manual_seed(3), **kw)
+        gen = torch.Generator().manual_seed(3)
+        out = planned_loss(drafter, dev[0], dev[1], host, gen) if planned else drafter.loss(*dev, generator=gen)
         out.loss_sum.backward()
         return out, [p.grad.clone() for p in drafter.trainable_parameters()], list(OnDevice.reads)
 
-    ref, g_ref, ref_reads = run()
-    got, g_got, got_reads = run(host=host)
+    ref, g_ref, ref_reads = run(False)
+    got, g_got, got_reads = run(True)
     assert len(ref_reads) >= 5 and got_reads == [], (ref_reads, got_reads)
     assert (got.tokens, got.anchors, got.context_seen) == (ref.tokens, ref.anchors, ref.context_seen)
     assert got.tokens > 0 and got.weight_sum == ref.weight_sum

@@ -516,7 +516,7 @@ class DFlashDrafter(nn.Module):
     def loss(self, context_states: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
              attention_mask: torch.Tensor | None = None, *, anchors: torch.Tensor | None = None,
              anchor_valid: torch.Tensor | None = None,
-             generator: torch.Generator | None = None, host: Any = None) -> DraftLoss:
+             generator: torch.Generator | None = None) -> DraftLoss:
         """Weighted block cross-entropy of a right-padded batch, summed (not averaged).
 
         ``context_states`` ``[b, S, K*d]``, ``input_ids`` ``[b, S]``, ``loss_mask`` ``[b, S]`` (1 on
@@ -529,14 +529,7 @@ class DFlashDrafter(nn.Module):
         dominant cost: ``rows x vocab x d``), ``spec.loss_chunk_rows`` at a time with the gradient
         formed in the same pass (:mod:`dflash.model.chunked_ce`): the ``[rows, vocab]`` logits are
         never held at once, so the loss's memory is one chunk's, not the item's.
-
-        ``host`` (a :class:`~dflash.model.hostsync.HostMasks` of the item's masks): the same loss planned
-        on the host, with no device read (:mod:`dflash.model.planned_loss`; ``correct`` is then a tensor).
         """
-        if host is not None and anchors is None:
-            from dflash.model.planned_loss import planned_loss
-
-            return planned_loss(self, context_states, input_ids, host, generator)
         spec = self.spec
         bs = spec.block_size
         b, s = input_ids.shape

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from dflash.model.chunked_ce import ChunkedLinearCrossEntropy
+from dflash.model.drafter import DraftLoss, _context_seen, sample_anchors
 from dflash.model.hostsync import HostMasks, to_device
 
 
 def planned_loss(drafter: Any, context_states: torch.Tensor, input_ids: torch.Tensor, host: HostMasks,
                  generator: torch.Generator | None) -> Any:
-    """:meth:`DFlashDrafter.loss` of a right-padded batch, with every count computed on the host."""
-    from dflash.model.drafter import DraftLoss, _context_seen, sample_anchors
-
+    """:meth:`DFlashDrafter.loss` of a batch (``drafter``: a :class:`~dflash.model.drafter.DFlashDrafter`), with
+    every count computed on the host."""
     spec = drafter.spec
     bs = spec.block_size
     b, s = input_ids.shape

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from dflash.core.sampler import ItemSpec
 from dflash.model.flops import StepCounts, train_flops
 from dflash.model.hostsync import HostMasks, note_sync, to_device, to_host
+from dflash.model.planned_loss import planned_loss
 from dflash.pipeline.channel import Channel, ChannelError
 from dflash.pipeline.faults import fault
 from dflash.pipeline.messages import (
@@ -366,8 +367,9 @@ class DrafterWorker:
             host = x.meta.host
             with self.timer.stage("drafter_forward_s"), \
                     torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                out = self.drafter.loss(hidden, input_ids, loss_mask, attention_mask,
-                                        generator=item_generator(self.seed, x.item_id), host=host)
+                gen = item_generator(self.seed, x.item_id)
+                out = (planned_loss(self.drafter, hidden, input_ids, host, gen) if host is not None
+                       else self.drafter.loss(hidden, input_ids, loss_mask, attention_mask, generator=gen))
             with self.timer.stage("drafter_backward_s"):
                 out.loss_sum.backward()  # unnormalised: divided by the global weight after the all-reduce
             real = int(host.lengths.sum()) if host is not None else int(attention_mask.sum())
