@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 from dflash.model.hostsync import HostMasks, counting, spans, to_host
 from dflash.model.planned_loss import planned_loss
 from dflash.pipeline.streams import NullEvent, StageTimer
+from dflash.pipeline.transport import CudaIpcTransport
 from tests.test_drafter import make, rand_batch
 
 SYNC_OPS = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "masked_select", "numpy",
@@ -113,3 +114,59 @@ def test_stage_timer_reads_finished_stages_in_order_and_the_rest_a_step_later(mo
     late.done = True
     timer.collect(second)
     assert list(second) == ["optimizer_s", "next_s"] and timer.pending == 0
+
+
+class CpuIpc(CudaIpcTransport):
+    """CUDA IPC's bookkeeping with its two CUDA calls done on host memory: a handle names the buffer, and
+    mapping it finds that buffer (what a second process's mapping would show)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.by_name: dict[int, torch.Tensor] = {}
+        self.reduces = 0
+
+    def _shareable(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8)
+
+    def _reduce(self, buf: torch.Tensor) -> tuple:
+        self.reduces += 1
+        self.by_name[self.reduces] = buf
+        return (None,) * 7 + (self.reduces, buf.numel(), 0)
+
+    def _rebuild(self, args: tuple) -> torch.Tensor:
+        return self.by_name[args[7]]
+
+
+def test_cuda_ipc_shares_each_pooled_buffer_once_and_its_bookkeeping_stays_flat_over_10000_items():
+    """Producer and drafter halves of the IPC plane (no CUDA, no process group): items of a few sizes, three in
+    flight; each buffer is shared once and mapped once, and nothing grows from item 1,000 to item 10,000."""
+    import random
+    from collections import deque
+
+    from dflash.pipeline.transport import MAPPED_PER_PEER, POOL_BUFFERS, decode_handle, encode_handle
+
+    producer, drafter = CpuIpc(), CpuIpc()
+    drafter.by_name = producer.by_name  # the handle names memory both processes see
+    rng = random.Random(0)
+    in_flight: deque = deque()
+    sizes = (1024, 3072, 2048, 4096)
+
+    def books() -> tuple:
+        return (producer.shares, len(producer._shared), producer.send_pool.allocated, drafter.maps,
+                len(drafter._mapped[0]))
+
+    for i in range(10_000):
+        n = rng.choice(sizes)
+        buf = producer.send_pool.take(n)
+        key, args = decode_handle(encode_handle(producer._handle(buf))) if i % 50 == 0 else producer._handle(buf)
+        flat = drafter._open(0, key, args, n)
+        assert flat is buf  # the drafter reads the very buffer the producer packed
+        in_flight.append(buf)
+        if len(in_flight) > 3:  # the drafter's ack: the buffer goes back to the pool
+            producer.send_pool.give(in_flight.popleft())
+        if i == 999:
+            at_1000 = books()
+    assert books() == at_1000, (at_1000, books())
+    shares, shared, allocated, maps, mapped = books()
+    assert shares == allocated == producer.reduces <= POOL_BUFFERS + 4  # one share per buffer, not per item
+    assert shared <= POOL_BUFFERS + 4 and maps <= allocated and mapped <= MAPPED_PER_PEER

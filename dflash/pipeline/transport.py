@@ -405,9 +405,24 @@ class ShmTransport(SharingTransport):
 
 class CudaIpcTransport(SharingTransport):
     """Ranks sharing one GPU: the producer's device buffer is opened by the drafter through CUDA IPC
-    (torch's own CUDA tensor sharing); no byte leaves the device."""
+    (torch's own CUDA tensor sharing); no byte leaves the device.
+
+    Each pooled buffer is shared once (issue 34): its handle is made when the buffer is first sent and
+    reused for every later item in it, and dropped with the buffer; the drafter maps a handle once and
+    reuses the mapping (:meth:`SharingTransport._open`). Sharing on every send nested another IPC
+    bookkeeping record per item in torch's ``reductions`` (by a reading of that code), and mapping on
+    every receive rebuilt the tensor per item. ``_reduce`` and ``_rebuild`` are the only CUDA calls, so
+    the bookkeeping runs (and is tested) on the CPU.
+    """
 
     kind = DATA_IPC
+
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        super().__init__(device, group)
+        self._shared: list[tuple[torch.Tensor, tuple[Any, Any]]] = []  # (buffer, its handle), found by identity
+        self._share_lock = threading.Lock()  # shared in the reader thread, dropped in the sender thread
+        self.shares = 0  # handles made (one per pooled buffer)
+        self.maps = 0  # mappings made on the drafter side (one per buffer it was sent)
 
     def _settle(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
@@ -416,16 +431,37 @@ class CudaIpcTransport(SharingTransport):
         return torch.empty(n, dtype=torch.uint8, device=self.device)
 
     def _handle(self, buf: torch.Tensor) -> tuple[Any, Any]:
-        from torch.multiprocessing.reductions import reduce_tensor
+        with self._share_lock:
+            for b, handle in self._shared:
+                if b is buf:
+                    return handle
+        args = self._reduce(buf)
+        handle = ((args[7], args[9]), args)  # (CUDA allocation handle, offset in it), the rebuild arguments
+        with self._share_lock:
+            self._shared.append((buf, handle))
+            self.shares += 1
+        return handle
 
-        _, args = reduce_tensor(buf)
-        return (args[7], args[9]), args  # (CUDA allocation handle, offset in it), the rebuild arguments
+    def _unshare(self, buf: torch.Tensor) -> None:
+        with self._share_lock:
+            self._shared = [(b, h) for b, h in self._shared if b is not buf]
 
     def _map(self, handle: Any, cached: torch.Tensor | None) -> torch.Tensor:
+        if cached is not None:
+            return cached
+        self.maps += 1
+        return self._rebuild(handle)
+
+    # the two CUDA calls
+    def _reduce(self, buf: torch.Tensor) -> tuple[Any, ...]:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return tuple(reduce_tensor(buf)[1])
+
+    def _rebuild(self, args: Any) -> torch.Tensor:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        # torch finds a mapping still alive (``cached`` keeps it so) and only releases the new ref counter
-        return rebuild_cuda_tensor(*handle)
+        return rebuild_cuda_tensor(*args)
 
 
 def encode_handle(obj: Any) -> torch.Tensor:
