@@ -170,3 +170,21 @@ def test_cuda_ipc_shares_each_pooled_buffer_once_and_its_bookkeeping_stays_flat_
     shares, shared, allocated, maps, mapped = books()
     assert shares == allocated == producer.reduces <= POOL_BUFFERS + 4  # one share per buffer, not per item
     assert shared <= POOL_BUFFERS + 4 and maps <= allocated and mapped <= MAPPED_PER_PEER
+
+
+def test_host_staging_is_pinned_only_with_cuda_and_returns_a_buffer_once_its_copy_has_run():
+    from dflash.pipeline.transport import HostStagedTransport
+
+    t = HostStagedTransport(torch.device("cpu"))
+    assert t.pinned is False  # no CUDA: pageable, plain copies
+    bufs = [t.staging.take(64) for _ in range(3)]
+    events = [LateEvent() for _ in range(3)]
+    for e in events:
+        e.record()
+    events[1].done = False  # the second item's copy to the device has not run yet
+    t._cooling = list(zip(bufs, events, strict=True))
+    t._reclaim()
+    assert t.staging.free == 1 and t.cooling == 2 and t.staging._free[0] is bufs[0]  # in order: the third waits
+    events[1].done = True
+    t._reclaim()
+    assert t.staging.free == 3 and t.cooling == 0

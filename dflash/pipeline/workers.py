@@ -53,8 +53,8 @@ from dflash.pipeline.messages import (
     Stop,
     TakeReport,
 )
-from dflash.pipeline.stageclock import StageClock, synchronize
-from dflash.pipeline.streams import StageTimer
+from dflash.pipeline.stageclock import StageClock
+from dflash.pipeline.streams import StageTimer, Streams
 from dflash.pipeline.transport import Transport, describe, fingerprint
 
 # Stop reasons agreed by the drafter ranks (all-reduce MAX: the highest code wins).
@@ -144,6 +144,8 @@ class Producer:
         self.clock = clock or StageClock(transport.device)  # ``make`` times its stages on it (capture_item)
         self.check, self.status = check, status
         self.held: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.ready: dict[str, Any] = {}  # item id -> the event after its forward (its sends wait on it)
+        self.streams = Streams(transport.device)  # forward on one stream, sends on another (null on the CPU)
         self._lock = threading.Lock()
         self._replies: queue.Queue[Admit | Stop | BaseException] = queue.Queue()
         self._sends: queue.Queue[tuple[Any, int] | None] = queue.Queue()  # (posted send, its bytes)
@@ -173,14 +175,16 @@ class Producer:
     def _produce(self, spec: ItemSpec) -> Admit | Stop:
         self.status(f"computing item {spec.item_id}")
         self.clock.stages.clear()
-        synchronize(self.transport.device)
         t0 = time.perf_counter()
         fault("producer.make")
-        tensors = self.make(spec)
-        synchronize(self.transport.device)  # the item's device work is in its compute time
+        with self.streams.on(self.streams.compute):
+            tensors = self.make(spec)
+            ready = self.streams.mark()
+        ready.synchronize()  # the item's forward is in its compute time (not the sends in flight on the send stream)
         compute = time.perf_counter() - t0
         with self._lock:
             self.held[spec.item_id] = tensors
+            self.ready[spec.item_id] = ready
         meta = ItemMeta(describe(tensors), fingerprint(tensors) if self.check else None,
                         HostMasks.of(tensors[2], tensors[3]) if len(tensors) == 4 else None)
         nbytes = int(tensors[0].numel() * tensors[0].element_size())
@@ -203,9 +207,13 @@ class Producer:
                     case Send(round=rnd, item_id=item_id, dst=dst):  # post this rank's part of the round at once
                         with self._lock:
                             tensors = self.held.pop(item_id)
+                            ready = self.ready.pop(item_id)
                         nbytes = sum(t.numel() * t.element_size() for t in tensors)
                         fault("producer.post_send")
-                        pending = self.transport.post_send(tensors, dst, rnd)
+                        with self.streams.on(self.streams.send):  # behind this item's forward, not the next one's
+                            self.streams.wait(self.streams.send, ready)
+                            self.streams.keep(tensors, self.streams.send)
+                            pending = self.transport.post_send(tensors, dst, rnd)
                         del tensors  # the send keeps what it still reads (on a sharing plane only the packed copy)
                         self._sends.put((pending, nbytes))
                         self.status(f"sending item {item_id} to rank {dst} in round {rnd}")
@@ -230,7 +238,8 @@ class Producer:
             while (got := self._sends.get()) is not None:
                 pending, nbytes = got
                 fault("producer.send_wait")
-                self.send_s += pending.wait()
+                with self.streams.on(self.streams.send):  # a NCCL wait holds the send stream, never the forward's
+                    self.send_s += pending.wait()
                 self.sent_bytes += nbytes
         except BaseException as exc:  # surfaced by run()
             self.errors.append(exc)
