@@ -188,3 +188,25 @@ def test_host_staging_is_pinned_only_with_cuda_and_returns_a_buffer_once_its_cop
     events[1].done = True
     t._reclaim()
     assert t.staging.free == 3 and t.cooling == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch's own sync detector")
+def test_on_cuda_the_planned_loss_and_backward_never_synchronise():
+    """Where CUDA is present, torch itself checks: any host sync inside raises (set_sync_debug_mode)."""
+    target, drafter = make(block_size=4, layers=1, anchors=5, dtype=torch.float32)
+    ids, am, lm, ctx = rand_batch(target, [14, 9, 12], resp_from=3)
+    host = HostMasks.of(am, lm)
+    drafter.to("cuda")
+    drafter.lm_head.to("cuda")
+    drafter.embed_tokens.to("cuda")
+    ctx, ids = ctx.cuda(), ids.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = planned_loss(drafter, ctx, ids, host, torch.Generator().manual_seed(3))
+        out.loss_sum.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with counting() as n:
+        loss = to_host(out.loss_sum.detach().reshape(1))
+    assert n.n == 1 and loss[0] > 0
