@@ -200,6 +200,8 @@ def test_on_cuda_the_planned_loss_and_backward_never_synchronise():
     drafter.lm_head.to("cuda")
     drafter.embed_tokens.to("cuda")
     ctx, ids = ctx.cuda(), ids.cuda()
+    planned_loss(drafter, ctx, ids, host, torch.Generator().manual_seed(3)).loss_sum.backward()  # first-call caches
+    drafter.zero_grad()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
