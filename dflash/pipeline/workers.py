@@ -402,6 +402,7 @@ class DrafterWorker:
         """A received item must be the item assigned: its fingerprint, and its tokens formed from its id."""
         if not self.check:
             return
+        note_sync("check_transfers")  # the fingerprint reads the item back to the host (a debugging option)
         want = x.meta.fingerprint
         if want is not None and fingerprint(tensors) != want:
             raise RuntimeError(f"item {x.item_id} from rank {x.src} (round {x.round}) arrived with other "
