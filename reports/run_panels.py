@@ -8,7 +8,7 @@ else the trainer's ``start`` control record, else config.json), so the step line
 actual setting, not a guess.
 
 Stages: a real run's step records carry ``stages`` (seconds per step in gate wait, transfer,
-drafter forward/backward, optimizer) and ``step_s``; the table gives each stage's mean per step and
+drafter forward/backward, peer wait, optimizer) and ``step_s``; the table gives each stage's mean per step and
 its share of the mean step, so a reader sees whether a step waits on the queue or computes. The
 first step is left out when there are others: its gate wait is the start-up fill, not the steady
 state. GPU power and utilisation come from the coordinator's ``telemetry`` (``rank/<r>/gpu/<i>/...``,

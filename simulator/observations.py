@@ -36,7 +36,7 @@ from dflash.core.config import DflashConfig
 from dflash.core.errors import ConfigError
 from dflash.core.links import TIER_DEVICE, TIER_NETWORK, TIER_NODE
 from dflash.core.precision import state_dtype_bytes
-from dflash.core.records import read_records
+from dflash.core.records import READABLE_VERSIONS, read_records
 from dflash.core.run_config import run_config_or_none
 from simulator.fit import DrafterObs, Observations, TargetObs
 from simulator.loss_model import StepMakeup, makeup_from_takes
@@ -95,9 +95,31 @@ def _busy_times(rows: list[dict[str, Any]]) -> list[float]:
     return busy + forward[len(busy):]  # the last item: its forward alone
 
 
+def check_schema(p: Path, *kinds: list[dict[str, Any]]) -> None:
+    """Calibration reads record schemas 1 and 2; any other is refused in one line naming ``--run``."""
+    for rows in kinds:
+        for r in rows:
+            v = r.get("schema_version", 1)
+            if v not in READABLE_VERSIONS:
+                raise ConfigError("--run", f"must hold records of schema version "
+                                           f"{' or '.join(map(str, READABLE_VERSIONS))} (this dflash reads those; "
+                                           f"{p} has version {v})", show_got=False)
+
+
+def v1_transfer(take: dict[str, Any]) -> float | None:
+    """A take's ``transfer_s`` as calibration may use it: version 1 records timed a GPU receive behind the
+    producer's forward (sends queued on its compute stream), so a version-1 GPU take's is not the move's
+    and is left out; CPU ones, and every version-2 one, are the receive alone."""
+    t = _number(take.get("transfer_s"))
+    if take.get("schema_version", 1) == 1 and str(take.get("device") or "").startswith("cuda"):
+        return None
+    return t
+
+
 def _from_run(p: Path, index: int) -> RunData:
     produce = list(read_records(p, "produce"))
     takes = list(read_records(p, "take"))
+    check_schema(p, produce, takes)
     steps = {int(r["step"]): r.get("loss") for r in read_records(p, "step")}
     cfg = run_config_or_none(p, "--run")
     obs = Observations()
@@ -142,7 +164,7 @@ def _from_run(p: Path, index: int) -> RunData:
             obs.drafter.append(DrafterObs(index, d, float(r["t"]), float(busy), int(r.get("tokens") or 0),
                                           int(r["bucket"]), r.get("anchors"), lengths,
                                           cfg.drafter if cfg is not None else None, prompts,
-                                          _number(r.get("transfer_s")), _number(r.get("bytes")),
+                                          v1_transfer(r), _number(r.get("bytes")),
                                           take_tier(r, senders)))
     n_buckets = sampler.n_buckets if sampler else 1 + max([int(r["bucket"]) for r in takes] or [0])
     mix = sampler.item_mix() if sampler else _observed_mix([int(r["bucket"]) for r in takes], n_buckets)

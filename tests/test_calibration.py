@@ -262,6 +262,26 @@ def test_calibration_learns_a_per_byte_transfer_cost_from_timed_takes(tmp_path: 
     assert plain_fit > 1.05 * mean_true  # without the timed moves, the drafter absorbs them
 
 
+def test_records_of_an_unknown_schema_are_refused_in_one_line_and_v1_gpu_transfers_are_left_out(
+        sim_run, tmp_path: Path, capsys) -> None:
+    """Issue 34 changed what ``transfer_s`` means (schema 2); calibration reads 1 and 2 and refuses others.
+    A version-1 GPU take's ``transfer_s`` (timed behind the producer's forward) is not used."""
+    from simulator.observations import v1_transfer
+
+    run = tmp_path / "run"
+    shutil.copytree(sim_run[1], run)
+    path = run / "take.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "schema_version": 3}) + "\n" for r in rows))
+    assert main(["calibrate", "--run", str(run), "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--run" in err and "schema version 1 or 2" in err and "version 3" in err
+    assert not (tmp_path / "c.json").exists()
+    take = {"transfer_s": 0.5, "device": "cuda:0"}
+    assert v1_transfer({**take, "schema_version": 1}) is None and v1_transfer(take) is None
+    assert v1_transfer({**take, "schema_version": 2}) == 0.5 and v1_transfer({**take, "device": "cpu"}) == 0.5
+
+
 def test_produce_records_dropped_at_a_resume_do_not_inflate_the_target_costs(sim_run, tmp_path: Path) -> None:
     """A resumed run keeps the produce records of taken items only (the rest are produced again), so
     a worker's records have holes; the fit through them must equal the fit of the whole stream."""

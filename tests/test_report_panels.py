@@ -160,7 +160,8 @@ def test_a_real_run_shows_each_stage_per_step_and_its_share(real_run: Path, tmp_
     assert "](figures/stages.png)" in sec and (tmp_path / "report" / "figures" / "stages.png").is_file()
     rows = {r["stage"]: r for r in tables(sec)[0]}
     step_s = _mean([s["step_s"] for s in steady])
-    for stage in ("gate_wait_s", "transfer_s", "drafter_forward_s", "drafter_backward_s", "optimizer_s"):
+    for stage in ("gate_wait_s", "transfer_s", "drafter_forward_s", "drafter_backward_s", "wait_peers_s",
+                  "optimizer_s"):
         mean = _mean([s["stages"][stage] for s in steady])
         assert rows[stage]["mean s/step"] == f"{mean:.4f}"
         assert rows[stage]["share of step"] == f"{100 * mean / step_s:.1f}%"
@@ -169,7 +170,7 @@ def test_a_real_run_shows_each_stage_per_step_and_its_share(real_run: Path, tmp_
     compute = rows["drafter_compute_s (forward + backward)"]
     assert compute["mean s/step"] == f"{_mean([s['stages']['drafter_compute_s'] for s in steady]):.4f}"
     leaves = sum(float(rows[k]["mean s/step"]) for k in ("gate_wait_s", "transfer_s", "drafter_forward_s",
-                                                          "drafter_backward_s", "optimizer_s"))
+                                                          "drafter_backward_s", "wait_peers_s", "optimizer_s"))
     other = float(rows["other (step_s - stages)"]["mean s/step"])
     assert abs(leaves + other - step_s) < 1e-3  # the stages and "other" add up to the step
     # A CPU run's records carry no NVML samples: no GPU panel, and the report says why.

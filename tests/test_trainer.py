@@ -98,6 +98,28 @@ def test_every_step_trains_anchors_and_the_loss_curve_is_whole(epoch_run) -> Non
                and r["mfu"] is None for r in steps)
 
 
+def test_one_host_sync_per_step_and_stage_times_that_mean_their_names(epoch_run) -> None:
+    """Issue 34: each step reads the device once (its stats; counted by dflash.model.hostsync), records
+    wait_peers_s apart from optimizer_s, say shared_gpu (false: CPU ranks), and are schema version 2; the
+    gpu-check figures read them."""
+    from dflash.gpucheck.figures import issue34_figures, pipeline_efficiency
+
+    run = epoch_run["run"]
+    steps = list(read_records(run, "step"))
+    assert steps and all(r["host_syncs"] == 1 for r in steps), [r["host_syncs"] for r in steps]
+    assert all({"wait_peers_s", "optimizer_s", "transfer_s"} <= set(r["stages"]) for r in steps)
+    assert all(r["schema_version"] == 2 and r["shared_gpu"] is False for r in steps)
+    summary = list(read_records(run, "summary"))[-1]
+    assert summary["shared_gpu"] is False and summary["stage_means_s"]["wait_peers_s"] >= 0
+    figs = issue34_figures(run)
+    assert figs["shared_gpu"]["value"] is False and figs["shared_gpu"]["host_syncs_per_step_max"] == 1
+    assert figs["wait_peers_s"]["value"] == summary["stage_means_s"]["wait_peers_s"]
+    assert figs["mfu"]["value"] is None and figs["mfu"]["flops_per_s"] > 0 and "n/a" in figs["mfu"]["note"]
+    pe = pipeline_efficiency(run, json.loads((run / "metrics.json").read_text()), 1, 1)
+    assert pe["ideal_items_per_s"] == min(pe["target_alone_items_per_s"], pe["drafter_alone_items_per_s"])
+    assert pe["value"] == pe["vs_slower_side"]  # separate devices: the ideal is the slower side
+
+
 def test_the_run_leaves_metrics_parquet_and_a_drafter_that_loads_with_one_call(epoch_run) -> None:
     from dflash.model.drafter import DFlashDrafter
     from dflash.model.target import load_target

@@ -39,7 +39,15 @@ from dflash.gpucheck.assets import (
     synthetic_conversations,
     write_config,
 )
-from dflash.gpucheck.figures import data_plane, fidelity, finite, pipeline_efficiency, read_records, stages
+from dflash.gpucheck.figures import (
+    data_plane,
+    fidelity,
+    finite,
+    issue34_figures,
+    pipeline_efficiency,
+    read_records,
+    stages,
+)
 from dflash.gpucheck.plan import Plan, missing
 from dflash.gpucheck.report import Report, StepFailed, Stopped, raise_stopped, run_verb, verb_env
 from dflash.gpucheck.sampling import Sampler, gpu_info, nvml_summary, peak_memory
@@ -190,6 +198,7 @@ def _train_figures(res: dict[str, Any], run: Path, log: str, n_target: int, n_dr
                pipeline_efficiency=pipeline_efficiency(run, metrics, n_target, n_drafter), stages=stages(run),
                data_plane=data_plane(run, log), mix_efficiency=finite(metrics.get("mix_efficiency")),
                steps=summary.get("steps"))
+    res.update(issue34_figures(run))
 
 
 def _eval(plan: Plan, work: Path, report: Report, env: dict[str, str], run: Path) -> None:
@@ -342,9 +351,13 @@ def print_summary(res: dict[str, Any]) -> None:
 
     pe, fi = res["pipeline_efficiency"], res["fidelity"]
     print(f"throughput {f(res['throughput_tokens_per_s'], ',.0f')} tokens/s, {f(res['items_per_s'], '.2f')} items/s; "
-          f"pipeline efficiency {f(pe['vs_slower_side'])} of the slower side (target alone "
+          f"pipeline efficiency {f(pe.get('value'))} of the ideal, {f(pe['vs_slower_side'])} of the slower side "
+          f"(target alone "
           f"{f(pe['vs_target_alone'])}, drafter alone {f(pe['vs_drafter_alone'])}); data plane {res['data_plane']}")
     print("stages (s): " + ", ".join(f"{k} {f(v, '.4f')}" for k, v in res["stages"].items()))
+    print(f"mfu {f((res.get('mfu') or {}).get('value'))}, wait_peers_s "
+          f"{f((res.get('wait_peers_s') or {}).get('value'), '.4f')}, shared_gpu "
+          f"{(res.get('shared_gpu') or {}).get('value')}")
     ci = res["tau_ci95"] or [None, None]
     meaning = "" if res["tau_meaningful"] else " (not meaningful: random target)"
     print(f"tau {f(res['tau'])} [{f(ci[0])}, {f(ci[1])}]{meaning}; fidelity: throughput predicted "

@@ -27,7 +27,11 @@ def stages(run: Path) -> dict[str, Any]:
 def pipeline_efficiency(run: Path, metrics: dict[str, Any], n_target: int, n_drafter: int) -> dict[str, Any]:
     """Pipeline items/s against each side alone, each side's capacity from its own busy time in this
     run: targets ``n_target / mean forward per item``; drafters ``items per step / (compute +
-    optimizer per step)`` (transfer and gate waits are the pipeline's, not the side's)."""
+    optimizer per step)`` (transfer, gate and peer waits are the pipeline's, not the side's).
+
+    ``value`` is the frozen definition (docs/ARCHITECTURE.md, "Pipeline efficiency"): items/s over the ideal
+    from the two sides' rates T and D, ``min(T, D)`` on separate devices and ``1 / (1/T + 1/D)`` when the
+    roles take turns on one GPU (``shared_gpu`` in the run's summary)."""
     summary = (read_records(run, "summary") or [{}])[-1]
     st = stages(run)
     fwd = st.get("target_forward_s_per_item")
@@ -41,10 +45,43 @@ def pipeline_efficiency(run: Path, metrics: dict[str, Any], n_target: int, n_dra
         return got / cap if got and cap else None
 
     slower = min(x for x in (target_alone, drafter_alone) if x) if (target_alone or drafter_alone) else None
-    return {"vs_target_alone": ratio(target_alone), "vs_drafter_alone": ratio(drafter_alone),
+    shared = bool(summary.get("shared_gpu"))
+    ideal = ideal_items_per_s(target_alone, drafter_alone, shared)
+    return {"value": ratio(ideal), "ideal_items_per_s": ideal, "shared_gpu": shared,
+            "vs_target_alone": ratio(target_alone), "vs_drafter_alone": ratio(drafter_alone),
             "vs_slower_side": ratio(slower), "target_alone_items_per_s": target_alone,
             "drafter_alone_items_per_s": drafter_alone, "pipeline_items_per_s": got,
             "method": "each side alone from its own busy time per item in this run"}
+
+
+def ideal_items_per_s(t: float | None, d: float | None, shared_gpu: bool) -> float | None:
+    """The pipeline's ideal from the sides' alone rates: ``min(T, D)`` on separate devices; ``1 / (1/T + 1/D)``
+    when both take turns on one device (each item costs a forward and a drafter share of the same GPU)."""
+    if not t or not d:
+        return None
+    return 1.0 / (1.0 / t + 1.0 / d) if shared_gpu else min(t, d)
+
+
+def issue34_figures(run: Path) -> dict[str, dict[str, Any]]:
+    """``mfu``, ``wait_peers_s`` and ``shared_gpu`` of a finished run, each as ``{"value", "note"}``."""
+    summary = (read_records(run, "summary") or [{}])[-1]
+    steps = read_records(run, "step")
+    mfus = sorted(float(r["mfu"]) for r in steps if finite(r.get("mfu")) is not None)
+    rates = sorted(float(r["flops_per_s"]) for r in steps if finite(r.get("flops_per_s")) is not None)
+    wait = (summary.get("stage_means_s") or {}).get("wait_peers_s")
+    syncs = [int(r["host_syncs"]) for r in steps if r.get("host_syncs") is not None]
+    return {
+        "mfu": {"value": mfus[len(mfus) // 2] if mfus else None,
+                "flops_per_s": rates[len(rates) // 2] if rates else None,
+                "note": "median over the step records (model FLOPs / step time / the drafter GPUs' dense bf16 peak)"
+                        if mfus else "n/a: no peak for this device (the CPU, or a GPU the peak table does not know)"},
+        "wait_peers_s": {"value": finite(wait), "note": "mean seconds per step in the drafter ranks' collectives "
+                                                         "(the slowest rank's lag and the reduction), apart from "
+                                                         "optimizer_s"},
+        "shared_gpu": {"value": summary.get("shared_gpu"),
+                       "note": "the target and drafter ranks take turns on one GPU (pipeline_efficiency's ideal is "
+                               "then 1/(1/T + 1/D))", "host_syncs_per_step_max": max(syncs) if syncs else None},
+    }
 
 
 def rank_pids(run: Path) -> dict[int, tuple[int, str]]:

@@ -26,7 +26,7 @@ ARCHS: dict[str, dict[str, int]] = {
 LEARNING_PROMPTS = 1600  # regenerated for --learning: ~80 s of the 5-minute box at ~20 prompts/s on one GPU
 LEARNING_PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "gpu-smollm2-learning.toml"
 # The keys both modes write (issue 33: --learning carries the default mode's keys), then each mode's own.
-# ``mfu``, ``wait_peers_s`` and ``shared_gpu`` are reserved for issue 34 (null with a note until it fills them).
+# ``mfu``, ``wait_peers_s`` and ``shared_gpu`` (issue 34): null with RESERVED_NOTE until a training run fills them.
 COMMON_KEYS = ("gpu", "mode", "throughput_tokens_per_s", "items_per_s", "pipeline_efficiency", "stages",
                "fidelity", "data_plane", "data_plane_fallback", "regenerated_data", "tau", "tau_ci95",
                "tau_meaningful", "peak_memory_bytes", "mfu", "wait_peers_s", "shared_gpu", "failed_stage", "error",
@@ -34,7 +34,7 @@ COMMON_KEYS = ("gpu", "mode", "throughput_tokens_per_s", "items_per_s", "pipelin
 JSON_KEYS = (*COMMON_KEYS, "nvml")
 LEARNING_KEYS = (*COMMON_KEYS, "train", "heldout", "heldout_curve", "acceptance_rate_per_position",
                  "wall_s_by_step")
-RESERVED_NOTE = "reserved for issue 34 (MFU, peer waits, shared-GPU accounting): not measured yet"
+RESERVED_NOTE = "issue 34 (MFU, peer waits, shared-GPU accounting): not measured (no training run finished)"
 # What the loop imports in its subprocesses beyond torch + transformers, by import name (pip name).
 NEEDED = {"pandas": "pandas", "pyarrow": "pyarrow", "scipy": "scipy", "simpy": "simpy", "psutil": "psutil",
           "optuna": "optuna", "sqlalchemy": "sqlalchemy", "safetensors": "safetensors", "numpy": "numpy",

@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash.model.flops import peak_for, step_efficiency
+from dflash.model.hostsync import total as host_syncs
 from dflash.pipeline.checkpoint import write_checkpoint
 from dflash.pipeline.context import DrafterContext
 from dflash.pipeline.messages import Bye, Done
+from dflash.pipeline.roles import shares_gpu
 from dflash.pipeline.workers import STOP_MAX_STEPS, STOP_NONE, DrafterWorker
 
 if TYPE_CHECKING:
@@ -73,6 +75,7 @@ class DrafterLoop:
                     stop = self._hold_between_blocks(step)
                     mine = before_s + time.perf_counter() - wall0 - self.held_s
                     local = STOP_MAX_STEPS if stop else ctx.stop.local(step, mine)
+                syncs0 = host_syncs()  # issue 34: at most one host read of the device per step
                 code, self.elapsed_s = w.agree_stop(local, mine)
                 if code != STOP_NONE:
                     stopped_by = ctx.stop.name(code)
@@ -84,6 +87,8 @@ class DrafterLoop:
                     break
                 res, info = got
                 info["step_s"] = time.perf_counter() - ts
+                info["host_syncs"] = host_syncs() - syncs0
+                info["shared_gpu"] = shares_gpu(ctx.plane)
                 info.update(step_efficiency(info["model_flops"], info["step_s"], self.peak,
                                             torch.distributed.get_world_size(w.group)))
                 self._add_stages(res.stages)
@@ -112,7 +117,7 @@ class DrafterLoop:
             summary = None
             if self.host:
                 summary = {"steps": step, "stopped_by": stopped_by, "wall_s": time.perf_counter() - wall0,
-                           "data_plane": ctx.plane,
+                           "data_plane": ctx.plane, "shared_gpu": shares_gpu(ctx.plane),
                            "stage_means_s": {k: tot / n for k, (tot, n) in self.stage_totals.items() if n}}
             ctx.channel.send(Bye(summary=summary))
             if self.host:

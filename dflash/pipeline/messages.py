@@ -22,6 +22,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dflash.model.hostsync import HostMasks
 from dflash.pipeline.transport import TensorMeta
 
 
@@ -33,10 +34,12 @@ class ProtocolError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class ItemMeta:
     """What a drafter needs to receive an item: its tensors' shapes and dtypes, and (with check_transfers)
-    a content fingerprint to recompute on arrival."""
+    a content fingerprint to recompute on arrival; ``host``: the item's masks as runs, so the drafter plans
+    its step on the host without reading the device (issue 34)."""
 
     tensors: tuple[TensorMeta, ...]
     fingerprint: str | None = None
+    host: HostMasks | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,11 +60,11 @@ class PairedTransport(Transport):
         self._leases[lease] = transport
         return lease, seconds
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: Lease, settled: bool = False) -> None:
         transport = self._leases.pop(lease, None)
         if transport is None:
             raise RuntimeError("a received item was released twice (or was not received here)")
-        transport.release(lease)
+        transport.release(lease, settled)
 
 
 __all__ = ["PairedTransport", "settle"]

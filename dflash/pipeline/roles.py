@@ -101,6 +101,13 @@ def data_plane(cuda_devices: int, local_world_size: int) -> str:
     return DATA_NCCL
 
 
+def shares_gpu(plane: str) -> bool:
+    """Do this job's target and drafter ranks take turns on one GPU? (the planes of one shared GPU). Its
+    records say so (``shared_gpu``): each side's stage times then include the other's turns, and the
+    pipeline's ideal is ``1 / (1/T + 1/D)``, not ``min(T, D)`` (docs/ARCHITECTURE.md)."""
+    return plane in (DATA_HOST, DATA_IPC)
+
+
 def choose_plane(placement: str, *, one_node: bool, requested: str = "auto") -> str:
     """The plane to try, given the placement's copying plane (:func:`data_plane`).
 

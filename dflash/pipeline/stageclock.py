@@ -17,9 +17,13 @@ import torch
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op off CUDA)."""
+    """Wait for the work queued on this thread's current stream of ``device`` (a no-op off CUDA).
+
+    The current stream only, not the whole device (issue 34): the producer times its forward on its compute
+    stream while its sends run on another, and a device-wide wait would also wait for those sends, which
+    finish only when the drafter receives."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 class StageClock:
