@@ -64,8 +64,11 @@ def anchors_for(seq_lengths: Sequence[int], timing: TimingConfig, drafter: Draft
     The trainer's rule (:func:`dflash.model.drafter.anchor_eligible`, the training reference's): a
     response token followed by another, a block may run past the end; so a response of ``r`` tokens
     offers ``r - 1`` anchors whatever the block size. With ``prompt_lengths`` (from the data set) this
-    is the trainer's own count: response tokens inside the (truncated) sequence; a long prompt
-    truncated past its response gives none, and such items cost the drafter almost nothing. Without,
+    is the trainer's own count: response tokens inside the (truncated) sequence, exact for a sequence cut
+    inside its response and one more than the trainer's where the template closes the turn with an
+    unsupervised token after end-of-turn (ChatML's newline; tests/test_sampler.py checks both on real
+    encodings); a long prompt truncated past its response gives none, and such items cost the drafter
+    almost nothing. Without,
     the response is ``timing.response_fraction`` of the sequence and every sequence gets at least one
     anchor.
     """
