@@ -59,20 +59,26 @@ class ItemShape:
 
 def anchors_for(seq_lengths: Sequence[int], timing: TimingConfig, drafter: DrafterConfig,
                 prompt_lengths: Sequence[int] | None = None) -> int:
-    """Anchors of one item: per sequence min(drafter.anchors, response tokens that can start a block).
+    """Anchors of one item: per sequence min(drafter.anchors, response positions that can anchor a block).
 
-    With ``prompt_lengths`` (from the data set) this is the trainer's own count: response tokens
-    inside the (truncated) sequence, a block's length from its end; a long prompt truncated past its
-    response gives none, and such items cost the drafter almost nothing. Without, the response is
-    ``timing.response_fraction`` of the sequence and every sequence gets at least one anchor.
+    The trainer's rule (:func:`dflash.model.drafter.anchor_eligible`, the training reference's): a
+    response token followed by another, a block may run past the end; so a response of ``r`` tokens
+    offers ``r - 1`` anchors whatever the block size. With ``prompt_lengths`` (from the data set) this
+    is the trainer's own count: response tokens inside the (truncated) sequence, exact for a sequence cut
+    inside its response and one more than the trainer's where the template closes the turn with an
+    unsupervised token after end-of-turn (ChatML's newline; tests/test_sampler.py checks both on real
+    encodings); a long prompt truncated past its response gives none, and such items cost the drafter
+    almost nothing. Without,
+    the response is ``timing.response_fraction`` of the sequence and every sequence gets at least one
+    anchor.
     """
     total = 0
     for k, n in enumerate(seq_lengths):
         if prompt_lengths is not None:
-            total += max(0, min(drafter.anchors, n - prompt_lengths[k] - drafter.block_size + 1))
+            total += max(0, min(drafter.anchors, n - prompt_lengths[k] - 1))
             continue
         response = int(n * timing.response_fraction)
-        total += max(1, min(drafter.anchors, response - drafter.block_size + 1))
+        total += max(1, min(drafter.anchors, response - 1))
     return total
 
 

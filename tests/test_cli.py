@@ -292,7 +292,7 @@ def test_lengths_tokenises_a_real_dataset_and_prints_bucket_shares(tiny_dataset,
     cfg = load_config(tiny_dataset)
     kept = [0] * 5  # sequences without an anchor position are dropped before items are formed
     for n, p in zip(table.lengths, table.prompt_lengths, strict=True):
-        if has_anchor(n, p, cfg.workload.max_len, cfg.drafter.block_size):
+        if has_anchor(n, p, cfg.workload.max_len):
             kept[bucket_of(n, (128, 256, 512, 1024, 2048))] += 1
     assert (f"{sum(expected) - sum(kept)} sequences dropped" in out) == (sum(kept) < sum(expected))
     n_items = sum((c + 1) // 2 for c in kept)  # 2 sequences per item, formed inside buckets

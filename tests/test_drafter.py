@@ -100,9 +100,10 @@ def test_block_attention_mask_layout():
 def test_sample_anchors_eligibility_determinism_no_replacement():
     s, bs = 60, 8
     lm = torch.zeros(3, s, dtype=torch.bool)
-    lm[0, 10:50] = True  # 10..52 eligible by fit, 10..49 by mask -> 40 eligible
+    lm[0, 10:50] = True  # pairs (p, p + 1) inside the mask: 10..48 -> 39 eligible
     lm[1, 5:20] = True
-    lengths = torch.tensor([60, 15, 60])  # row 1: last admissible anchor is 7 -> 5, 6, 7
+    lengths = torch.tensor([60, 8, 60])  # row 1 ends at 8: p + 1 < 8 -> 5, 6 (blocks run past the end)
+    lm[2, 30] = True  # a lone response token: no pair
     a1, v1 = sample_anchors(lm, bs, 16, torch.Generator().manual_seed(3), lengths)
     a2, v2 = sample_anchors(lm, bs, 16, torch.Generator().manual_seed(3), lengths)
     assert torch.equal(a1, a2) and torch.equal(v1, v2)
@@ -111,12 +112,55 @@ def test_sample_anchors_eligibility_determinism_no_replacement():
     assert a1.shape == (3, 16)
     row0 = a1[0][v1[0]].tolist()
     assert len(row0) == 16 == len(set(row0)) and row0 == sorted(row0)
-    assert all(lm[0, p] and p <= s - bs for p in row0)
-    assert a1[1][v1[1]].tolist() == [5, 6, 7]
+    assert all(lm[0, p] and lm[0, p + 1] for p in row0)
+    assert a1[1][v1[1]].tolist() == [5, 6]
     assert not v1[2].any()
     # fewer eligible than requested: all of them
     a4, v4 = sample_anchors(lm, bs, 100, None, lengths)
-    assert a4[0][v4[0]].tolist() == list(range(10, 50))
+    assert a4[0][v4[0]].tolist() == list(range(10, 49))
+
+
+def upstream_eligible(mask: list[int], length: int) -> list[int]:
+    """SpecForge's DFlash anchor rule, stated independently of ours (sgl-project/SpecForge
+    specforge/algorithms/common/dflash_family_model.py, ``_sample_anchor_positions``, commit a6b6b02):
+    candidates ``p < S - 1`` with ``loss_mask[p] > 0.5`` and ``loss_mask[p + 1] > 0.5``."""
+    real = mask[:length]
+    return [p for p in range(len(real) - 1) if real[p] > 0.5 and real[p + 1] > 0.5]
+
+
+# Hand-made masks: a response shorter than the block at the end, a one-token response, gaps of one, a
+# response at position 0, a response up to the last token, a mask of zeros, and a row cut by its length.
+HAND_MASKS = [
+    ([0, 0, 0, 1, 1, 1], 6, [3, 4]),  # 3 response tokens at the end, B = 8: the full-block rule had none
+    ([0, 0, 0, 0, 0, 1], 6, []),  # one response token (an empty reply's end-of-turn token)
+    ([1, 1, 0, 1, 0, 1, 1, 1, 0, 0], 10, [0, 5, 6]),  # lone tokens (3) are no anchor
+    ([0] * 4 + [1] * 12, 16, list(range(4, 15))),  # the last B - 2 positions are anchors too
+    ([0] * 6, 6, []),
+    ([0, 1, 1, 1, 1, 1, 0, 0], 4, [1, 2]),  # right padding past length 4: p + 1 < 4
+]
+
+
+@pytest.mark.parametrize("mask,length,expect", HAND_MASKS)
+def test_the_anchor_rule_is_upstreams_on_hand_made_masks(mask, length, expect):
+    """Fails when our eligibility differs from the training reference's on these masks, in either direction."""
+    assert upstream_eligible(mask, length) == expect  # the hand count and the reference agree
+    lm = torch.tensor([mask], dtype=torch.bool)
+    anchors, valid = sample_anchors(lm, 8, 100, torch.Generator().manual_seed(0), torch.tensor([length]))
+    assert anchors[0][valid[0]].tolist() == expect
+
+
+def test_a_partial_last_block_trains_its_response_slots_under_their_weights():
+    """An anchor whose block runs past the sequence counts slot k iff a + k is a real response token."""
+    target, drafter = make(block_size=8, anchors=8)
+    ids, am, lm, ctx = rand_batch(target, [12, 20], resp_from=9)  # row 0: response 9..11 (3 tokens)
+    anchors, valid = torch.tensor([[9, 10], [9, 0]]), torch.tensor([[True, True], [True, False]])
+    res = drafter.loss(ctx, ids, lm, am, anchors=anchors, anchor_valid=valid)
+    w = drafter.spec.slot_weights()
+    # row 0: a = 9 counts slots 1, 2 (positions 10, 11), a = 10 slot 1; row 1: a = 9 slots 1..7 (10..16)
+    assert res.anchors == 3 and res.tokens == 2 + 1 + 7
+    assert res.weight_sum == pytest.approx(float(w[1] + w[2] + w[1] + w[1:].sum()))
+    drawn, ok = sample_anchors(lm, 8, 8, torch.Generator().manual_seed(0), am.sum(1))
+    assert drawn[0][ok[0]].tolist() == [9, 10]  # both are eligible under the rule the trainer samples with
 
 
 # --------------------------------------------------------------------------- no mask leak
@@ -229,7 +273,7 @@ def test_weighted_loss_matches_hand_computation():
 
 def test_loss_without_anchors_is_zero_and_backpropagates():
     target, drafter = make()
-    ids, am, lm, ctx = rand_batch(target, [6], resp_from=4)  # too short for any block of 8
+    ids, am, lm, ctx = rand_batch(target, [6], resp_from=5)  # one response token: no two consecutive
     res = drafter.loss(ctx, ids, lm, am)
     assert res.tokens == 0 and res.anchors == 0 and float(res.loss_sum.detach()) == 0.0
     normalised_loss(res.loss_sum, 0).backward()

@@ -107,11 +107,13 @@ def test_rejects_empty_or_invalid_lengths() -> None:
 
 
 def test_sequences_without_an_eligible_anchor_are_dropped_and_counted() -> None:
-    lengths, prompts = [100, 100, 100, 40], [10, 93, 92, 39]  # room for a block of 8: 10 and 92 (p <= 100 - 8)
+    # two consecutive response tokens inside the truncated sequence: p + 1 < min(length, max_len)
+    lengths, prompts = [100, 100, 100, 40, 50], [10, 95, 94, 39, 48]
     s = Sampler(lengths, wl(max_len=96, bucket_bounds=(64, 96), seqs_per_item=1), prompt_lengths=prompts,
                 block_size=8)
     kept = {k for it in s.epoch(0) for k in it.seq_indices}
-    assert kept == {0} and s.dropped_no_anchor == 3  # truncation at 96 leaves 92 no room; 93 and 39 none either
+    # 94 keeps 94, 95 (a block of 8 runs past the end); 95 is cut to one token by max_len 96, 39 has one
+    assert kept == {0, 2, 4} and s.dropped_no_anchor == 2
     assert Sampler(lengths, wl(seqs_per_item=1), prompt_lengths=prompts).dropped_no_anchor == 0  # no block size
     with pytest.raises(ConfigError, match=r"workload\.max_len: no sequence has an anchor"):  # one line, exit 2
         Sampler([20], wl(), prompt_lengths=[19], block_size=8)
@@ -119,26 +121,37 @@ def test_sequences_without_an_eligible_anchor_are_dropped_and_counted() -> None:
 
 def test_the_drop_rule_agrees_with_the_drafters_anchor_rule_on_real_encodings() -> None:
     """has_anchor (lengths and prompt lengths: what the cache and the simulator have) must keep exactly
-    the sequences in which sample_anchors finds an anchor (the trainer's encoded loss masks)."""
+    the sequences in which sample_anchors finds an anchor (the trainer's encoded loss masks), and the
+    simulator's anchor count (simulator.timing.anchors_for) must be the trainer's: exact for a sequence
+    cut inside its response, one more where the template closes the turn with an unsupervised token
+    after end-of-turn (ChatML's newline), which the count from lengths cannot see."""
     import torch
 
+    from dflash.core.config import DrafterConfig, TimingConfig
     from dflash.core.sampler import has_anchor
     from dflash.data.conversations import load_conversations, resolve_dataset
     from dflash.data.lengths import conversation_token_lengths, load_tokenizer, prompt_token_lengths
     from dflash.model.drafter import sample_anchors
     from dflash.model.target import encode_conversation
+    from simulator.timing import anchors_for
 
     tok = load_tokenizer("smollm2")
     convs, _ = load_conversations(resolve_dataset("sharegpt"), "first_exchange", 300)
     lengths, prompts = conversation_token_lengths(convs, tok), prompt_token_lengths(convs, tok)
     max_len, block = 256, 8
-    verdicts = []
+    uncapped = DrafterConfig(block_size=block, anchors=max_len)
+    verdicts, extra = [], []
     for conv, n, p in zip(convs, lengths, prompts, strict=True):
         _ids, mask = encode_conversation(tok, conv, max_len)
-        _, valid = sample_anchors(mask[None], block, 4, torch.Generator().manual_seed(0))
-        assert bool(valid.any()) == has_anchor(n, min(p, n), max_len, block), conv.id
+        _, valid = sample_anchors(mask[None], block, max_len, torch.Generator().manual_seed(0))
+        assert bool(valid.any()) == has_anchor(n, min(p, n), max_len), conv.id
         verdicts.append(bool(valid.any()))
+        simulated = anchors_for([min(n, max_len)], TimingConfig(), uncapped, [min(p, n)])
+        extra.append(simulated - int(valid.sum()))
+        if n > max_len and verdicts[-1]:
+            assert extra[-1] == 0, conv.id
     assert any(verdicts) and not all(verdicts)  # both kinds occur at this max_len
+    assert set(extra) == {0, 1}
 
 
 @pytest.mark.parametrize("per_bucket", [1, 16, 10_000])

@@ -96,15 +96,15 @@ def max_item_bytes(cfg: DflashConfig) -> int:
 def item_shape(cfg: DflashConfig) -> tuple[int, int, int]:
     """The largest micro-batch the workload allows: ``(sequences, tokens per sequence, anchors per
     sequence)``. With ``seqs_per_item``, every sequence at ``max_len``; with ``tokens_per_item``,
-    the fewest and longest sequences that fill it. A sequence has at most
-    min(anchors, length - B + 1) anchors (a block must fit inside it)."""
+    the fewest and longest sequences that fill it. A sequence has at most min(anchors, length - 1)
+    anchors (a response token followed by another; a block may run past the end: docs/guide/anchor-rule.md)."""
     w, d = cfg.workload, cfg.drafter
     if w.seqs_per_item is not None:
         seqs, length = w.seqs_per_item, w.max_len
     else:
         assert w.tokens_per_item is not None
         seqs, length = math.ceil(w.tokens_per_item / w.max_len), min(w.max_len, w.tokens_per_item)
-    return seqs, length, min(d.anchors, max(0, length - d.block_size + 1))
+    return seqs, length, min(d.anchors, max(0, length - 1))
 
 
 def logit_rows(cfg: DflashConfig) -> int:

@@ -26,16 +26,18 @@ from dflash.core.errors import ConfigError
 EPOCH_CACHE = 16
 
 
-def has_anchor(length: int, prompt_length: int, max_len: int, block_size: int) -> bool:
-    """Whether a sequence has an eligible anchor under the drafter's rule (``loss_mask[p]`` and
-    ``p <= len - B``, :func:`dflash.model.drafter.sample_anchors`) once truncated at ``max_len``.
+def has_anchor(length: int, prompt_length: int, max_len: int) -> bool:
+    """Whether a sequence has an eligible anchor under the drafter's rule (the training reference's:
+    ``loss_mask[p]`` and ``loss_mask[p + 1]``, :func:`dflash.model.drafter.anchor_eligible`) once
+    truncated at ``max_len``. The block size does not enter: a block may run past the end.
 
-    The response tokens start at ``prompt_length`` (the tokens before the first response token) and
-    the first response is never empty (its end-of-turn token is a response token), so the earliest
-    response token decides: one exists at ``p <= len - B`` iff ``prompt_length <= min(length,
-    max_len) - block_size``. A sequence without one would cost a target forward and train nothing.
+    The response tokens start at ``prompt_length`` (the tokens before the first non-empty response,
+    :func:`dflash.data.lengths.prompt_token_lengths`), and such a response has at least two tokens
+    (its content and its end-of-turn token), so the earliest pair decides: one exists inside the
+    truncated sequence iff ``prompt_length + 1 < min(length, max_len)``. A sequence without one would
+    cost a target forward and train nothing.
     """
-    return prompt_length <= min(length, max_len) - block_size
+    return prompt_length + 2 <= min(length, max_len)
 
 
 def bucket_of(length: int, bounds: Sequence[int]) -> int:
@@ -68,9 +70,10 @@ class Sampler:
     """Forms and orders items over token lengths; one epoch at a time, forever.
 
     ``lengths`` are real token counts per sequence; they are clipped to ``workload.max_len``. With
-    ``prompt_lengths`` and the drafter's ``block_size``, sequences with no eligible anchor
-    (:func:`has_anchor`) are left out of every item and counted in ``dropped_no_anchor``: the
-    trainer and the simulator, given the same lengths, drop the same sequences.
+    ``prompt_lengths`` and the drafter's ``block_size`` (the drafter is known; the rule does not depend
+    on its value), sequences with no eligible anchor (:func:`has_anchor`) are left out of every item and
+    counted in ``dropped_no_anchor``: the trainer and the simulator, given the same lengths, drop the
+    same sequences.
     """
 
     def __init__(self, lengths: Sequence[int], workload: WorkloadConfig, seed: int = 0,
@@ -92,12 +95,12 @@ class Sampler:
         self.seq_bucket = [bucket_of(n, self.bounds) for n in self.lengths]
         keep = [True] * len(self.lengths)
         if self.prompt_lengths is not None and block_size is not None:
-            keep = [has_anchor(n, p, workload.max_len, block_size)
+            keep = [has_anchor(n, p, workload.max_len)
                     for n, p in zip(self.lengths, self.prompt_lengths, strict=True)]
             if not any(keep):
-                raise ConfigError("workload.max_len", f"no sequence has an anchor position (a response token "
-                                  f"with room for a block of {block_size} tokens within max_len): a larger max_len "
-                                  f"or other data is needed", workload.max_len)
+                raise ConfigError("workload.max_len", "no sequence has an anchor position (two consecutive "
+                                  "response tokens within max_len): a larger max_len or other data is needed",
+                                  workload.max_len)
         self.dropped_no_anchor = keep.count(False)
         eligible = [[i for i, b in enumerate(self.seq_bucket) if b == bk and keep[i]] for bk in range(self.n_buckets)]
         self.heldout = self._hold_out(eligible, heldout_per_bucket)

@@ -42,7 +42,7 @@ from dflash.data.cache_entry import exclusive
 from dflash.data.conversations import Conversation, ParseStats, load_conversations, resolve_dataset, say_damaged
 from dflash.data.model_source import file_id, load_tokenizer, model_identity
 
-LENGTHS_FORMAT = 2  # bump when rendering or counting changes: old cache files stop matching
+LENGTHS_FORMAT = 3  # bump when rendering or counting changes: old cache files stop matching
 
 
 # --------------------------------------------------------------------------- identities
@@ -107,14 +107,16 @@ def conversation_token_lengths(convs: Iterable[Conversation], tokenizer: Any, *,
 
 
 def prompt_token_lengths(convs: Iterable[Conversation], tokenizer: Any, *, batch_size: int = 256) -> list[int]:
-    """Tokens before the first response token of each conversation: the first user turn (and any
-    system turn) rendered with the assistant header (``add_generation_prompt``).
+    """Tokens before the first response token of each conversation that can hold an anchor: the turns
+    before its first non-empty response rendered with the assistant header (``add_generation_prompt``).
+    An empty response is skipped because its one response token (the end-of-turn token) holds no
+    anchor (:func:`dflash.core.sampler.has_anchor` needs two consecutive response tokens).
 
     The drafter trains only on positions inside responses, so how many anchors a truncated sequence
     offers depends on where its first response starts; the simulator uses this to give each
     sequence the anchor count the trainer will find (for multi-turn conversations it counts every
-    token after the first prompt as response, an upper bound). A conversation without a response
-    gets its full length.
+    token after the first prompt as response, an upper bound). A conversation without a non-empty
+    response gets its full length.
     """
     out: list[int] = []
     convs = list(convs)
@@ -123,7 +125,7 @@ def prompt_token_lengths(convs: Iterable[Conversation], tokenizer: Any, *, batch
         prompts = []
         for conv in convs[start:start + batch_size]:
             msgs = _messages(conv)
-            first = next((k for k, m in enumerate(msgs) if m["role"] == "assistant"), None)
+            first = next((k for k, m in enumerate(msgs) if m["role"] == "assistant" and m["content"]), None)
             prompts.append(msgs[:first] if first is not None else msgs)
         # A conversation that opens with a response has no prompt: its responses start at once.
         texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) if m else ""

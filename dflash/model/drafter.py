@@ -290,18 +290,45 @@ class DraftLayer(nn.Module):
 
 
 # --------------------------------------------------------------------------- anchors
+# The training reference's rule: SpecForge's DFlash trainer (sgl-project/SpecForge,
+# specforge/algorithms/common/dflash_family_model.py, OnlineDFlashModel._sample_anchor_positions, commit
+# a6b6b0230009d15ec2a97a57384e6f53f0f96946; the rule since 7757409f, 2026-07-30, which replaced the
+# full-block rule ``loss_mask[p] and p <= S - B`` that this module had copied from its earlier version).
+def anchor_eligible(loss_mask: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """``[b, S]`` bool: where a block may be anchored. ``p`` is eligible iff ``loss_mask[p]`` and
+    ``loss_mask[p + 1]`` (the anchor's clean token and the block's first target are both response
+    tokens) and ``p + 1 < length`` (``lengths`` defaults to the padded width ``S``).
+
+    Why this and not "the whole block fits": it is the training reference's rule. A block that runs
+    past the sequence's (or the response's) end is trained on the slots that are still response
+    tokens, under their usual weights ``w_k`` (:meth:`DFlashDrafter.loss` counts slot ``k`` iff
+    ``a + k < S`` and ``loss_mask[a + k]``), so a response shorter than the block still teaches its
+    first tokens, and the last ``B - 2`` positions of every response are anchors too. The comparison of
+    the two rules at equal target tokens is in benchmarks/RESULTS.md ("Anchor rule").
+    """
+    if loss_mask.dim() != 2:
+        raise ValueError("loss_mask must be [batch, seq]")
+    lm = loss_mask.bool()
+    s = lm.shape[1]
+    ok = torch.zeros_like(lm)
+    ok[:, : s - 1] = lm[:, : s - 1] & lm[:, 1:]
+    if lengths is not None:
+        ok &= torch.arange(s, device=lm.device)[None, :] + 1 < lengths.to(lm.device).long()[:, None]
+    return ok
+
+
 def sample_anchors(loss_mask: torch.Tensor, block_size: int, max_anchors: int,
                    generator: torch.Generator | None = None,
                    lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchor positions per sequence: ``(anchors [b, A] long, valid [b, A] bool)``, sorted per row.
 
-    Eligible: positions ``p`` with ``loss_mask[p]`` and ``p <= length - block_size`` (the block fits
-    inside the real sequence; ``lengths`` defaults to the padded width ``S``). Up to ``max_anchors``
-    per row, drawn without replacement with ``generator`` (deterministic for a seeded generator,
-    drawn on the CPU whatever the mask's device). ``A`` is the largest count over the rows; shorter
-    rows are padded with position 0 and ``valid`` False. Rows with no eligible position get none
-    (upstream's rule: a response shorter than the block at the very end of a sequence gives no
-    anchor).
+    Eligible: :func:`anchor_eligible` (the training reference's rule: ``loss_mask[p]`` and
+    ``loss_mask[p + 1]``, inside the real sequence; a block may run past the end, its partial slots
+    count under their weights). ``block_size`` does not restrict eligibility; it is kept for callers.
+    Up to ``max_anchors`` per row, drawn uniformly without replacement with ``generator``
+    (deterministic for a seeded generator, drawn on the CPU whatever the mask's device), as upstream
+    draws them. ``A`` is the largest count over the rows; shorter rows are padded with position 0 and
+    ``valid`` False. Rows with no eligible position (no two consecutive response tokens) get none.
     """
     if loss_mask.dim() != 2:
         raise ValueError("loss_mask must be [batch, seq]")
@@ -309,10 +336,10 @@ def sample_anchors(loss_mask: torch.Tensor, block_size: int, max_anchors: int,
     lm = loss_mask.detach().to("cpu").bool()
     lens = (torch.full((b,), s, dtype=torch.long) if lengths is None
             else lengths.detach().to("cpu").long())
+    ok = anchor_eligible(lm, lens)
     rows: list[torch.Tensor] = []
     for r in range(b):
-        limit = int(lens[r]) - block_size  # last admissible anchor
-        elig = torch.nonzero(lm[r, : max(limit + 1, 0)], as_tuple=False).flatten()
+        elig = torch.nonzero(ok[r], as_tuple=False).flatten()
         if elig.numel() > max_anchors:
             pick = torch.randperm(elig.numel(), generator=generator)[:max_anchors]
             elig = elig[pick].sort().values
@@ -650,6 +677,6 @@ def lm_head_flops(anchors: int, block_size: int, vocab: int, hidden: int) -> flo
 
 __all__ = [
     "CONFIG_FILE", "MASK_TOKEN_CANDIDATES", "WEIGHTS_FILE", "DFlashDrafter", "DraftLoss", "DrafterFormatError",
-    "DrafterSpec",
-    "block_attention_mask", "default_mask_token_id", "lm_head_flops", "normalised_loss", "sample_anchors",
+    "DrafterSpec", "anchor_eligible", "block_attention_mask", "default_mask_token_id", "lm_head_flops",
+    "normalised_loss", "sample_anchors",
 ]

@@ -103,15 +103,20 @@ def load_heldout(path: Path, fingerprint: str | None = None) -> HeldoutStates | 
 
 
 def window_anchors(seq: HeldoutSequence, block_size: int, n: int) -> torch.Tensor:
-    """The sequence's blocks, fixed for the whole run: its first ``n`` eligible anchor positions (a
-    response token with the block inside the sequence, the training rule), in order from the start of
-    the response, where serving's first block stands. Consecutive, so the serving walk
-    (:func:`serving_walk`) can be replayed over them."""
-    from dflash.model.drafter import sample_anchors
+    """The sequence's blocks, fixed for the whole run: its first ``n`` response positions ``p`` whose
+    whole block lies inside the sequence (``loss_mask[p]`` and ``p <= len - B``), in order from the
+    start of the response, where serving's first block stands. Consecutive, so the serving walk
+    (:func:`serving_walk`) can be replayed over them.
 
-    every = int(seq.loss_mask.numel())  # more than can be eligible: every eligible position, in order, no draw
-    anchors, valid = sample_anchors(seq.loss_mask.view(1, -1), block_size, every)
-    return anchors[0][valid[0]][:n]
+    Why the scorer has its own rule and does not follow the trainer's (:func:`dflash.model.drafter.anchor_eligible`,
+    which also admits blocks that run past the end): the yardstick must not move with the rule being
+    judged (issue #36: the two anchor rules were compared with this scorer), and a full block is what
+    a serving step drafts. With ``quality_anchors`` well below a response's length the two rules give
+    the same window anyway.
+    """
+    lm = seq.loss_mask.view(-1).bool()
+    last = int(lm.numel()) - block_size  # the last position whose block fits
+    return torch.nonzero(lm[: max(last + 1, 0)], as_tuple=False).flatten()[:n]
 
 
 def serving_walk(anchors: Sequence[int], lengths: Sequence[int]) -> tuple[int, int]:

@@ -40,11 +40,13 @@ class TrainingData:
         self.sampler = sampler_for(cfg, lengths, prompts)
 
     def _encoded_lengths(self) -> tuple[list[int], list[int]]:
-        """Lengths (truncated) and tokens before the first response token, from the encodings themselves."""
+        """Lengths (truncated) and tokens before the first anchor position (the first of two consecutive
+        response tokens: :func:`dflash.model.drafter.anchor_eligible`), from the encodings themselves, so
+        the sampler's drop rule is exact here."""
         lengths, prompts = [], []
         for i in range(len(self.conversations)):
             ids, mask = self.encode(i)
-            hits = torch.nonzero(mask, as_tuple=False)
+            hits = torch.nonzero(mask[:-1] & mask[1:], as_tuple=False)
             lengths.append(int(ids.numel()))
             prompts.append(int(hits[0]) if hits.numel() else int(ids.numel()))
         return lengths, prompts

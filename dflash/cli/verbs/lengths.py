@@ -39,8 +39,8 @@ def handle(args: argparse.Namespace, cfg: DflashConfig) -> int:
     mix = " / ".join(f"{100 * m:.1f}" for m in sampler.item_mix())
     per_item = f"{w.seqs_per_item} seqs" if w.seqs_per_item else f"{w.tokens_per_item} tokens"
     if sampler.dropped_no_anchor:
-        print(f"{sampler.dropped_no_anchor} sequences dropped: no response token with room for a block of "
-              f"{cfg.drafter.block_size} (the trainer and the simulator drop them too)")
+        print(f"{sampler.dropped_no_anchor} sequences dropped: no two consecutive response tokens within "
+              f"max_len {w.max_len} (no anchor; the trainer and the simulator drop them too)")
     print(f"item mix p ({per_item} per item, {sampler.items_per_epoch()} items per epoch): {mix} %")
     return 0
 
