@@ -195,7 +195,7 @@ def decision_table(data: Mapping[str, Any], d: Decision) -> Table:
             rows.append(row)
     mem = {n: fmt_bytes(v) for n, v in d.peak_queue_bytes.items()}
     level = f"{d.per_interval_level:.2%}"
-    caption = " ".join((
+    caption = " ".join(part for part in (
         "Every validated configuration. predicted: the calibrated simulator (± standard error over its seeds,",
         "seeds disjoint from the sweep's); measured: the real trainer (± standard error).",
         f"Δ: the recommendation ({d.chosen}) minus this configuration, positive = the recommendation better",
@@ -205,9 +205,16 @@ def decision_table(data: Mapping[str, Any], d: Decision) -> Table:
         "comparisons and objectives). gap z: (simulated − measured) over its standard error; beyond",
         f"±{d.policy.z_refute:g} the simulator is refuted and the hardware decides alone. power: the hardware",
         "alone, at the simulator's predicted difference. verdict: the recommendation's, against the margin",
-        "(equivalent: the interval inside ±margin; open: neither resolved nor equivalent). Peak queue memory:",
-        ", ".join(f"{n} {m}" for n, m in mem.items()) + "."))
+        "(equivalent: the interval inside ±margin; open: neither resolved nor equivalent).",
+        FIRST_BLOCK_NOTE if any(c.evidence.sim_first_diff is not None for c in d.comparisons) else "",
+        "Peak queue memory:", ", ".join(f"{n} {m}" for n, m in mem.items()) + "."))
     return Table(pd.DataFrame(rows), caption)
 
+
+# One round measures only the first block (the queue filling, the start-up transient): the columns then mean
+# different blocks, and a reader comparing them needs to be told which (issue #32's bias transfer).
+FIRST_BLOCK_NOTE = ("One round: predicted and measured are the first block (start-up: the queue filling), where gap z "
+                    "compares them; Δ simulated is the simulator's steady-state difference, which Δ decided shifts by "
+                    "the simulator's error on the first block (bias transfer, docs/ARCHITECTURE.md).")
 
 DIFF_COLUMNS = ("Δ simulated", "Δ measured", "Δ decided [interval]", "τ", "gap z", "margin", "verdict", "power")

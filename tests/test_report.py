@@ -231,6 +231,11 @@ def test_the_first_section_answers_in_the_decisions_two_sentences_and_lists_ever
         label = n + (" (recommended)" if n == d.chosen else "")
         assert f"- {label}: longest run of takes from one bucket {u['longest_streak']} of {u['streak_takes']}" in rec
     assert f"Outcome: {d.outcome} ({d.note})." in rec and "Blocks of 64 takes" in rec
+    # one round: the table says its predicted/measured columns are the first block, its Δ simulated the steady state
+    from reports.answer import FIRST_BLOCK_NOTE
+
+    one_round = any(c.evidence.sim_first_diff is not None for c in d.comparisons)
+    assert (FIRST_BLOCK_NOTE in rec) is one_round
     assert "Why (measured" not in rec  # one verdict: the decision's, not also the standard-error rule's
 
 
@@ -515,3 +520,25 @@ def test_the_report_says_what_the_evidence_resolved_and_separates_drift(demo: di
         assert rows[c["name"]]["drift's effect"] == fmt_rel(c["drift"])
         assert rows[c["name"]]["drift-corrected error"] == fmt_rel(c["throughput_error_drift_corrected"])
         assert rows[c["name"]]["a-priori error"] == fmt_rel(c["rel_error"]["throughput_tokens_per_s"])
+
+
+@pytest.mark.parametrize("one_round", [True, False])
+def test_the_decision_tables_caption_says_when_its_columns_are_the_first_block(one_round: bool) -> None:
+    """With one round the hardware measured only the first block and Δ simulated is the steady state shifted
+    by the simulator's first-block error (bias transfer): the caption says which block each column is."""
+    from reports.answer import FIRST_BLOCK_NOTE, decision_table
+    from tuning.validation.decision import DecisionPolicy, decide, pair_evidence
+
+    objectives = ("throughput_tokens_per_s", "mix_efficiency")
+    steady = {"a": {"throughput_tokens_per_s": [100.0, 101.0, 99.0], "mix_efficiency": [0.95, 0.96, 0.94]},
+              "b": {"throughput_tokens_per_s": [100.0, 100.5, 99.5], "mix_efficiency": [0.80, 0.81, 0.79]}}
+    first = {n: {o: [v - 0.1 for v in vs] for o, vs in s.items()} for n, s in steady.items()}
+    evidence = [pair_evidence("a", "b", o, sim_candidate=steady["a"][o], sim_reference=steady["b"][o],
+                              hw_candidate=[first["a"][o][0]], hw_reference=[first["b"][o][0]],
+                              **({"sim_first_candidate": first["a"][o], "sim_first_reference": first["b"][o]}
+                                 if one_round else {}), model_block_sd=0.02)
+                for o in objectives]
+    d = decide(evidence, {"a": 2.0, "b": 1.0}, DecisionPolicy(margins={o: 0.05 for o in objectives},
+                                                              objectives=objectives))
+    data = {"configs": [{"name": n, "queue": {"min_ready": 1, "max_depth": 2}} for n in ("a", "b")]}
+    assert (FIRST_BLOCK_NOTE in decision_table(data, d).caption) is one_round
