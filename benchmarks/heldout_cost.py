@@ -15,10 +15,30 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+def cpu_heldout_setup(per_bucket: int, threads: int) -> tuple[Any, Any, list[int], Any, Any]:
+    """The CPU profile's held-out set on the packaged SmolLM2 target, as a rank sees it: (config, target,
+    captured layer ids, training data, held-out ids per bucket); ``threads`` intra-op threads."""
+    import torch
+
+    from dflash.cli.options import PROFILES
+    from dflash.core.config import load_config, with_overrides
+    from dflash.model.target import capture_layer_ids, load_target
+    from dflash.pipeline.training_data import TrainingData
+
+    torch.set_num_threads(threads)
+    cfg = with_overrides(load_config(PROFILES / "cpu-smollm2.toml"), {"train.quality_every": 50,
+                                                            "train.quality_per_bucket": per_bucket})
+    target = load_target(cfg.target.model)
+    layer_ids = capture_layer_ids(target.num_layers, cfg.target.capture_layers)
+    data = TrainingData(cfg, target.tokenizer)
+    return cfg, target, layer_ids, data, data.sampler.heldout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,21 +53,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from dflash.cli.options import PROFILES
-    from dflash.core.config import load_config, with_overrides
     from dflash.model.drafter import DFlashDrafter, DrafterSpec, default_mask_token_id
     from dflash.model.heldout import prepare_heldout, score_heldout
-    from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
+    from dflash.model.target import HiddenStateCapture
     from dflash.pipeline.heldout import heldout_sequences
-    from dflash.pipeline.training_data import TrainingData
 
-    torch.set_num_threads(args.threads)
-    cfg = with_overrides(load_config(PROFILES / "cpu-smollm2.toml"), {"train.quality_every": 50,
-                                                            "train.quality_per_bucket": args.per_bucket})
-    target = load_target(cfg.target.model)
-    layer_ids = capture_layer_ids(target.num_layers, cfg.target.capture_layers)
-    data = TrainingData(cfg, target.tokenizer)
-    held = data.sampler.heldout
+    cfg, target, layer_ids, data, held = cpu_heldout_setup(args.per_bucket, args.threads)
     t0 = time.perf_counter()
     states = prepare_heldout(target.model, HiddenStateCapture(target.model, layer_ids),
                              heldout_sequences(data, held), len(held), "cpu", torch.float32)

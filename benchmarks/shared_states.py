@@ -38,19 +38,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from dflash.cli.options import PROFILES
-    from dflash.core.config import load_config, with_overrides
-    from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target
+    from benchmarks.heldout_cost import cpu_heldout_setup
+    from dflash.model.target import HiddenStateCapture
     from dflash.pipeline.heldout import STATES_FILE, adopt_states, ensure_states, publish_states
-    from dflash.pipeline.training_data import TrainingData
 
-    torch.set_num_threads(args.threads)
-    cfg = with_overrides(load_config(PROFILES / "cpu-smollm2.toml"), {"train.quality_every": 50,
-                                                            "train.quality_per_bucket": args.per_bucket})
-    target = load_target(cfg.target.model)
-    layer_ids = capture_layer_ids(target.num_layers, cfg.target.capture_layers)
-    data = TrainingData(cfg, target.tokenizer)
-    held = data.sampler.heldout
+    cfg, target, layer_ids, data, held = cpu_heldout_setup(args.per_bucket, args.threads)
     capture = HiddenStateCapture(target.model, layer_ids)
 
     def job(run: Path) -> tuple[str, float]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -101,19 +101,15 @@ class StageTimer:
         self.device = device
         self._pending: list[tuple[str, Any, Any]] = []
 
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        start, end = new_event(self.device), new_event(self.device)
-        start.record()
-        try:
-            yield
-        finally:
-            end.record()
-            self._pending.append((name, start, end))
+    def stage(self, name: str) -> AbstractContextManager[None]:
+        return self._timed(name, new_event(self.device), new_event(self.device))
+
+    def host_stage(self, name: str) -> AbstractContextManager[None]:
+        return self._timed(name, NullEvent(), NullEvent())
 
     @contextmanager
-    def host_stage(self, name: str) -> Iterator[None]:
-        start, end = NullEvent(), NullEvent()
+    def _timed(self, name: str, start: Any, end: Any) -> Iterator[None]:
+        """The stage between two events of one kind: device events (read once complete) or host ones."""
         start.record()
         try:
             yield
