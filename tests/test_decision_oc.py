@@ -19,9 +19,16 @@ from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 REPS = 40
-# The small pools' steady-state prediction (4 seeds x 2 blocks) is too rough for the default mix margin
-# (its standard error alone is ~0.02, times z = 2.64): the direction checks use a mix margin of 0.08.
-SMALL_MARGINS = {"throughput_tokens_per_s": 0.15, "mix_efficiency": 0.08}
+# The small pools' steady-state prediction (4 seeds x 2 blocks) is too rough for the default margins (the mix
+# prediction's standard error alone is ~0.02, times z = 2.64), and a world's "false" is decided by whether a true
+# difference exceeds the margin: margins near the pools' true differences (tuned-1 - handpicked +8% throughput,
+# tuned-1 - baseline +0.08 mix) make the worlds' outcomes a coin toss at the boundary. The direction checks use
+# margins clear of them in every world: 30% throughput, 0.12 mix.
+SMALL_MARGINS = {"throughput_tokens_per_s": 0.30, "mix_efficiency": 0.12}
+# The refutation checks need a reversal the hardware's one block can tell from the simulator but a blind trust
+# in the simulator cannot: two margins of 15% / 0.08 (30% / 0.12 reverse so far that the first block alone
+# corrects even an unrefuted simulator).
+REVERSAL_MARGINS = {"throughput_tokens_per_s": 0.15, "mix_efficiency": 0.08}
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +41,10 @@ def pools(oc):
     return oc.build_pools(blocks=3, block_takes=64, hw_seeds=range(1000, 1005), pred_seeds=range(2000, 2005))
 
 
-def small(oc, rounds, first_block="model", z_refute=None):
+def small(oc, rounds, first_block="model", z_refute=None, margins=None):
     d = oc.default_setting(rounds=rounds, pred_seeds=4, first_block=first_block)
-    return oc.Setting(SMALL_MARGINS, d.z_refute if z_refute is None else z_refute, d.level, rounds, 4, first_block)
+    return oc.Setting(margins or SMALL_MARGINS, d.z_refute if z_refute is None else z_refute, d.level, rounds, 4,
+                      first_block)
 
 
 def rates(oc, pools, setting, label):
@@ -65,18 +73,20 @@ def test_at_the_demo_budget_the_transient_is_modelled_and_a_reversal_refuted(oc,
     """One round (the demo's 192 takes): the hardware measures the first block, and the simulator's error
     on that block is transferred to its steady-state prediction. When the simulator is right that decides
     (the simulator's steady state, checked on the transient); a reversal is mostly refuted, never mostly
-    false. Without the gap test the same hardware cannot stop the simulator."""
+    false."""
     assert oc.rounds_for(200, 64) == 1 and oc.default_setting(1, 4).first_block == "model"
     setting = small(oc, oc.rounds_for(200, 64))
     r0 = rates(oc, pools, setting, "0")
     assert r0["correct"] >= 0.7 and r0["false"] <= 0.1, r0
     for world in oc.WORLDS:
         assert rates(oc, pools, setting, world.label)["false"] < 0.5
-    r2 = rates(oc, pools, setting, "-2")
+    r2 = rates(oc, pools, small(oc, 1, margins=REVERSAL_MARGINS), "-2")
     assert r2["refuted"] >= 0.5 and r2["refuted_or_correct"] >= 0.6, r2
-    blind = small(oc, 1, z_refute=1e9)
-    b2 = rates(oc, pools, blind, "-2")
-    assert b2["refuted"] == 0.0 and b2["false"] > r2["false"] + 0.2, (b2, r2)
+    # (A decision without the gap test was once mostly false here. Since the simulator counts anchors by the
+    # training reference's rule, the first block's error transferred to the steady state corrects even an
+    # unrefuted simulator in this both-objective reversal: that check no longer separates the two.)
+    blind = small(oc, 1, z_refute=1e9, margins=REVERSAL_MARGINS)
+    assert rates(oc, pools, blind, "-2")["refuted"] == 0.0
 
 
 def test_wilson_bounds_hold_the_rate():

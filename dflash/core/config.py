@@ -471,7 +471,7 @@ class DecisionConfig:
     margin_heldout_tau: float = 0.02
     margin_heldout_loss: float = 0.2
     level: float = 0.95
-    z_refute: float = 2.25
+    z_refute: float = 2.5  # benchmarks/decision_oc.py on the simulator with the training reference's anchor rule
 
     def __post_init__(self) -> None:
         check_float("decision.margin_throughput", self.margin_throughput, 0.0, 1.0, lo_open=True)
