@@ -109,11 +109,20 @@ def _default_out(args: argparse.Namespace) -> Path:
     return Path("runs") / (f"train-{run_id}" if run_id else time.strftime("train-%Y%m%d-%H%M%S"))
 
 
+def _holds_a_run(out: Path) -> bool:
+    """Anything in ``out`` but rank status files and held-out target states linked in before the start (a
+    validation or benchmark shares one copy of them: :func:`dflash.pipeline.heldout.adopt_states`)."""
+    from dflash.pipeline.heldout import STATES_FILE
+
+    adopted = out / STATES_FILE
+    return any(p != adopted and ".ranks" not in p.relative_to(out).parts for p in out.rglob("*") if not p.is_dir())
+
+
 def _run_dir(args: argparse.Namespace, cfg: DflashConfig) -> tuple[Path, str | bool]:
     """The run directory and how to start: False (new), True (resume) or "finished" (nothing to do)."""
     if not args.resume:
         out = _default_out(args)
-        if out.exists() and any(p.name != ".ranks" for p in out.iterdir()) and not _restartable(out):
+        if out.exists() and _holds_a_run(out) and not _restartable(out):
             raise ConfigError("--out", "must be a new or empty directory (use --resume to continue a run)", str(out))
         return out, False
     if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
