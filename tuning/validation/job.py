@@ -6,7 +6,6 @@ Several workers share the claim table (:mod:`tuning.validation.claims`) per (con
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from typing import Any
 
 from dflash.core.config import DflashConfig
 from tuning.validation.claims import ClaimStore, worker_id
-from tuning.validation.metrics import block_table
+from tuning.validation.metrics import block_table, peak_bytes
 from tuning.validation.plan import (
     ValidateArgs,
     job_namespace,
@@ -177,7 +176,7 @@ def interim_decision(base: DflashConfig, calibrated: DflashConfig, args: Validat
         _steps, kept, _spans, predicted = predicted_blocks(entries[n], rs, base, calibrated, args)
         configs.append({"name": n, "kept_blocks": kept, "predicted": predicted})
     blocks = block_table([r for rs in by_name.values() for r in rs])
-    peak = {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in blocks.items()}
+    peak = peak_bytes(blocks)
     return decide_validation(base.decision, looks, configs, by_name, {}, peak)
 
 

@@ -113,6 +113,12 @@ def block_table(block_rows: list[dict[str, Any]]) -> dict[str, dict[str, list[fl
     return out
 
 
+def peak_bytes(blocks: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """Each configuration's peak queue memory over its blocks (:func:`block_table`); inf when none was
+    recorded, so a configuration of unknown cost is never the cheapest."""
+    return {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in blocks.items()}
+
+
 def block_means(blocks: list[dict[str, Any]], metrics: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every compared metric as the mean over blocks with its standard error from their spread;
     ``peak_queue_bytes`` the highest block; ``loss_roughness`` of the whole run (its second half)."""

@@ -24,6 +24,7 @@ from tuning.validation.evidence import (
     measured_objectives,
     recommend,
 )
+from tuning.validation.metrics import peak_bytes
 
 
 def choose_tuned(blocks: dict[str, dict[str, list[float]]], objectives: Sequence[str] = OBJECTIVES) -> str | None:
@@ -53,7 +54,7 @@ def evidence_of(blocks: dict[str, dict[str, list[float]]], looks: int, block_tak
     chosen = choose_tuned(measured, objectives)
     comps = chosen_comparisons(measured, chosen, max_looks=looks, objectives=objectives) if chosen else []
     comps += heldout_comparisons(held, chosen) if chosen and len(held) == len(measured) else []
-    peak = {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in measured.items()}
+    peak = peak_bytes(measured)
     return chosen, comps, recommend(measured, peak, max_looks=looks, block_takes=block_takes, objectives=objectives,
                                     heldout=held)
 

@@ -8,7 +8,6 @@ recommendation (:mod:`tuning.validation.recommendation`).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from tuning.validation.metrics import (
     block_table,
     bucket_use,
     kept_blocks,
+    peak_bytes,
     rel_errors,
     within_goals,
 )
@@ -120,7 +120,7 @@ def write_summary(base: DflashConfig, calibrated: DflashConfig, args: ValidateAr
     target = load_target(base.target.model) if blocks and args.prompts > 0 else None  # only tau needs it
     configs = [config_row(entries[n], [r for r in done if r["name"] == n], base, calibrated, args, target)
                for n in entries if n in blocks]
-    peak = {n: max(b["peak_queue_bytes"]) if b["peak_queue_bytes"] else math.inf for n, b in blocks.items()}
+    peak = peak_bytes(blocks)
     decision = decide_validation(base.decision, looks, configs, {n: [r for r in done if r["name"] == n]
                                                                  for n in blocks}, estimates, peak)
     # The decision picks (simulator and hardware together); without one, the hardware's evidence alone.
