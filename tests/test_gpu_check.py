@@ -162,6 +162,28 @@ def test_the_cpu_learning_check_regenerates_trains_with_the_heldout_metric_and_e
     assert res["tau"] >= 1.0 and res["tau_ci95"][0] <= res["tau"] <= res["tau_ci95"][1]
     assert all(res["wall_s_by_step"][k] > 0 for k in ("regenerate", "train", "eval"))
     assert res["train"]["steps"] >= 5 and res["train"]["epochs"] > 0
+    he = res["humaneval"]  # the same drafter on a seeded subset of HumanEval (a CPU: 4 of 164 prompts)
+    assert (he["set"], he["prompts"], he["size"]) == ("humaneval", gplan.HUMANEVAL_PROMPTS["cpu"], 164)
+    assert he["tau"] >= 1.0 and he["tau_ci95"][0] <= he["tau"] <= he["tau_ci95"][1]
+    assert he["sampling"]["temperature"] == 0
+    assert "humaneval tau" in proc.stdout
+
+
+@pytest.mark.parametrize(("cpu", "per_prompt_s", "remaining_s", "expected"), [
+    (False, None, None, 164),  # no time box: every prompt on a GPU
+    (True, 0.5, None, 4),  # the CPU's subset
+    (False, 1.0, 1000.0, 164),  # fits
+    (False, 2.0, 230.0, 80),  # 0.8 x (230 - 30) / 2: what the box has left
+    (False, 5.0, 40.0, 0),  # not even two
+])
+def test_humaneval_takes_what_the_time_box_has_left(cpu, per_prompt_s, remaining_s, expected, tmp_path):
+    from dflash.gpucheck.check import humaneval_prompts
+
+    plan = gplan.make_plan(target="smollm2", data=None, cpu=cpu, minutes=None, arch=None, json_out=None,
+                           keep=False, regenerate_prompts=None, eval_prompts=None, learning=True, time_limit_s=None,
+                           gpus=0 if cpu else 1)
+    n, why = humaneval_prompts(plan, per_prompt_s, remaining_s)
+    assert n == expected and (why is None) == (expected > 0)
 
 
 def test_the_verbs_arch_choices_are_the_packages_architectures():

@@ -90,13 +90,7 @@ def wait_for(what: Callable[[], bool], procs: list[subprocess.Popen], timeout: f
         time.sleep(0.05)
 
 
-FLAKY_UNDER_LOAD = pytest.mark.xfail(strict=False, reason=(  # both failed once in CI under load, passed alone
-    "flaky under load (CI at b6637d7): which rank notices the lost node first decides the line (a gloo error "
-    "instead of the coordinator's naming), and torchrun may stop the other ranks before they print; issue #35 "
-    "stays open for the abort path to name the node whoever notices first"))
-
 @pytest.mark.slow
-@FLAKY_UNDER_LOAD
 def test_two_nodes_use_a_plane_per_pair_lose_a_node_and_resume_each_item_once(tmp_path: Path,
                                                                              run_inputs) -> None:  # noqa: F811
     """Node 1's agent is SIGKILLed after a checkpoint; node 0 stops within 30 s naming node 1's ranks;
@@ -134,7 +128,6 @@ def test_two_nodes_use_a_plane_per_pair_lose_a_node_and_resume_each_item_once(tm
 
 
 @pytest.mark.slow
-@FLAKY_UNDER_LOAD
 def test_a_node_that_cannot_see_the_run_directory_fails_at_start_naming_it(tmp_path: Path,
                                                                            run_inputs) -> None:  # noqa: F811
     cfg = write_cfg(tmp_path / "cfg.toml", run_inputs, max_steps=2)

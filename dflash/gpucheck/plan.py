@@ -33,7 +33,10 @@ COMMON_KEYS = ("gpu", "mode", "throughput_tokens_per_s", "items_per_s", "pipelin
                "failed_steps", "wall_s", "time_limit_s")
 JSON_KEYS = (*COMMON_KEYS, "nvml")
 LEARNING_KEYS = (*COMMON_KEYS, "train", "heldout", "heldout_curve", "acceptance_rate_per_position",
-                 "wall_s_by_step")
+                 "wall_s_by_step", "humaneval")
+# --learning's HumanEval tau (issue 36): every prompt on a GPU; on the CPU a seeded subset (a full pass costs
+# ~14 min of CPU per drafter there, and tau near 1.03 sits at the floor: RESULTS "HumanEval tau")
+HUMANEVAL_PROMPTS = {"gpu": 164, "cpu": 4}
 RESERVED_NOTE = "issue 34 (MFU, peer waits, shared-GPU accounting): not measured (no training run finished)"
 # What the loop imports in its subprocesses beyond torch + transformers, by import name (pip name).
 NEEDED = {"pandas": "pandas", "pyarrow": "pyarrow", "scipy": "scipy", "simpy": "simpy", "psutil": "psutil",

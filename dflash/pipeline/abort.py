@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+RANKS_DIR = ".ranks"  # RUN/.ranks/: each rank's status, error and traceback files
+LOST_PEER_GRACE_S = 2.0  # how long a failure waits to learn whether a vanished rank caused it (see left_a_reason)
 ABORT_GRACE_S = 3.0  # the owner's time to raise a thread's failure itself before the watchdog leaves for it
 HEARTBEAT_S = 1.0  # each rank's beat to the coordinator
 HEARTBEAT_ENV = "DFLASH_HEARTBEAT_S"
@@ -147,6 +149,12 @@ class Heartbeat:
                     self._send()
                 except ChannelError:
                     return
+
+
+def left_a_reason(out: Path, rank: int) -> bool:
+    """Whether ``rank`` failed or left with its own line (its ``.error`` file): a rank whose channel closes
+    without one vanished (killed, its node lost), and that is the cause of whatever failed around it."""
+    return (Path(out) / RANKS_DIR / f"rank-{rank}.error").exists()
 
 
 class AbortOnPeerFailure:

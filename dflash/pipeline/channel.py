@@ -27,6 +27,16 @@ class ChannelError(RuntimeError):
     """A peer closed its end, or nothing came within the timeout (the message names the peer)."""
 
 
+class LostRank(ChannelError):
+    """The coordinator's read from ``rank`` failed (its end closed, or it went silent mid-message): the
+    message is the channel's own; the rank lets the coordinator tell a vanished rank from one that left
+    with a reason (dflash.pipeline.service)."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 class Channel:
     """One end of a connection. ``send`` is thread-safe; ``recv`` belongs to one reader thread."""
 
@@ -111,7 +121,10 @@ class Hub:
         out = []
         for key, _ in self._selector.select(timeout):
             rank = key.data
-            out.append((rank, self.channels[rank].recv(30.0)))
+            try:
+                out.append((rank, self.channels[rank].recv(30.0)))
+            except ChannelError as exc:
+                raise LostRank(rank, str(exc)) from exc
         return out
 
     def retire(self, rank: int) -> None:

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from dflash.core.config import DflashConfig
-from dflash.core.errors import ConfigError
+from dflash.core.errors import ConfigError, JointConfigError
 from dflash.core.precision import autocast_on, state_dtype_name
-from dflash.pipeline.abort import FAILURE, AbortOnPeerFailure, Heartbeat
+from dflash.pipeline.abort import FAILURE, LOST_PEER_GRACE_S, RANKS_DIR, AbortOnPeerFailure, Heartbeat
 from dflash.pipeline.channel import Channel, ChannelError, connect
 from dflash.pipeline.context import Corpus, DrafterContext, RankContext, Signals, Start, StopRule
 from dflash.pipeline.hostmem import HostMemory, return_freed_memory
@@ -52,7 +52,6 @@ from dflash.pipeline.workers import DrafterWorker, Producer, Status, capture_ite
 if TYPE_CHECKING:
     from dflash.pipeline.service import CoordinatorService
 
-RANKS_DIR = ".ranks"
 NVML_INTERVAL_S = 1.0  # power, clocks and utilisation of each rank's GPU, sampled this often
 DATA_PLANE_ENV = "DFLASH_DATA_PLANE"  # auto (default) or a plane the placement allows (roles.choose_plane)
 FAILED_RANK_GRACE_S = 1.0  # a failed rank waits this long before it exits (see rank_main)
@@ -115,7 +114,9 @@ def rank_main(spec: RunSpec) -> int:
         # moment (FAILED_RANK_GRACE_S, many launcher polls) for the peer that caused it to be seen first.
         sys.stdout.flush()
         sys.stderr.flush()
-        if not isinstance(exc, ConfigError):
+        if isinstance(exc, JointConfigError):
+            _leave_together()
+        elif not isinstance(exc, ConfigError):
             time.sleep(FAILED_RANK_GRACE_S)
         os._exit(2 if isinstance(exc, ConfigError) else 1)
 
@@ -171,6 +172,18 @@ def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: Ba
     if not os.environ.get(LAUNCHED_BY_DFLASH):  # under torchrun nobody else prints it
         print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
     return line
+
+
+def _leave_together(timeout_s: float = 30.0) -> None:
+    """Every rank failed the same collective check and has said its line: meet once more before leaving, so
+    the launcher's teardown, which starts at the first exit, finds every line already written. Bounded: a
+    rank that never comes costs ``timeout_s`` (gloo's monitored barrier), and then each leaves anyway."""
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+            else:
+                dist.barrier()
 
 
 def _leave_for_peer(out: Path, rank: int, status: Status, why: str) -> None:
@@ -291,7 +304,7 @@ class RankRun:
             try:
                 self._run_drafter()
             except BaseException as exc:
-                failed = getattr(getattr(self, "service", None), "error", None)
+                failed = self._coordinator_cause(exc)
                 if failed is None or failed is exc:
                     raise
                 # the host's coordinator thread failed first: that is the cause, not the channel it closed
@@ -300,6 +313,17 @@ class RankRun:
         heartbeat.stop()
         dist.destroy_process_group()  # only after a clean run: a failure leaves without teardown (rank_main)
         return 0
+
+    def _coordinator_cause(self, exc: BaseException) -> BaseException | None:
+        """The host rank's coordinator thread's failure, if it has one: the cause of ``exc`` (a collective that
+        broke because a rank vanished fails here first, often before the coordinator reads the lost channel,
+        so a failure that is not a stop or a bad input waits for it up to a grace; a failure of this rank's
+        own then leaves that much later)."""
+        if self.service is None:
+            return None
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, ConfigError)):
+            return self.service.error
+        return self.service.wait_error(LOST_PEER_GRACE_S + 1.0)
 
     def _load(self) -> None:
         from dflash.model.target import HiddenStateCapture, capture_layer_ids, load_target, load_target_tables

@@ -9,7 +9,8 @@ How: rank 0 (the first rank, which prepared the directory before the ranks start
 token into ``RUN/.ranks/``; it broadcasts the token; every rank reads the file from its own view of
 the path; the ranks gather their verdicts, and if any rank did not see the token every rank fails
 with a ConfigError (one line, exit 2): the rank that cannot see it names the path and its node, the
-others name that node and its ranks. Nothing is created on a node that cannot see the directory.
+others name that node and its ranks; they leave together, after each has said its line. Nothing is
+created on a node that cannot see the directory.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dflash.core.errors import ConfigError
+from dflash.core.errors import JointConfigError
 
 TOKEN = "job-token"  # in RUN/.ranks/: rank 0's token of this start
 
@@ -53,11 +54,11 @@ def check_visible(out: Path, rank: int, node: int) -> None:
     host = socket.gethostname()
     if not seen:
         what = "does not exist" if not out.is_dir() else "is not the directory rank 0 prepared"
-        raise ConfigError("--out", f"the run directory {out} {what} on node {node} (host {host}); every node must "
+        raise JointConfigError("--out", f"the run directory {out} {what} on node {node} (host {host}); every node must "
                           "see the one run directory (shared storage, the same path)", show_got=False)
     nodes = sorted({n for _, n in blind})
     ranks = ", ".join(str(r) for r, _ in blind)
-    raise ConfigError("--out", f"the run directory {out} is not visible on node(s) {', '.join(map(str, nodes))} "
+    raise JointConfigError("--out", f"the run directory {out} is not visible on node(s) {', '.join(map(str, nodes))} "
                       f"(ranks {ranks}); every node must see the one run directory (shared storage, the same path)",
                       show_got=False)
 

@@ -26,8 +26,8 @@ from dflash.core.queue_core import QueueItem
 from dflash.core.records import RecordWriter
 from dflash.core.sampler import Sampler
 from dflash.pipeline import messages as m
-from dflash.pipeline.abort import FAILURE, heartbeat_timeout_s
-from dflash.pipeline.channel import ChannelError, Hub
+from dflash.pipeline.abort import FAILURE, LOST_PEER_GRACE_S, heartbeat_timeout_s, left_a_reason
+from dflash.pipeline.channel import ChannelError, Hub, LostRank
 from dflash.pipeline.checkpoint import ControlWatch, ItemFeed, rejected_change
 from dflash.pipeline.coordinator import Admit, Assignment, Coordinator, NoWork
 from dflash.pipeline.faults import fault
@@ -141,6 +141,7 @@ class CoordinatorService:
         self.summary: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.error_t: float | None = None  # when the coordinator thread failed (the host rank names it as the cause)
+        self._failing: tuple[float, RankFailed] | None = None  # a rank's failure, raised once its grace ends (_poll)
         self._thread = threading.Thread(target=self._main, name="coordinator", daemon=True)
         self._last_control_poll = 0.0
         self.producer_blocked_s = 0.0
@@ -201,7 +202,11 @@ class CoordinatorService:
             self._write_control_start()
             self._apply_control(step=None, at_start=True)
             while len(self._byes) < self.roles.world_size:
-                msgs = self.hub.poll(0.05)
+                msgs = self._poll()
+                if self._failing is not None:
+                    if time.monotonic() >= self._failing[0]:
+                        raise self._failing[1]
+                    continue
                 if msgs:
                     fault("coordinator.handle")
                 now = time.monotonic()
@@ -220,6 +225,29 @@ class CoordinatorService:
             self.records.close()
             self.ledger.close()
             self.hub.close()
+
+    def _poll(self) -> list[tuple[int, m.Message]]:
+        """The ready messages. Once a rank has failed (``_failing``), a channel that closes without its rank
+        leaving a line of its own is a rank that vanished (killed, its node lost), and that is the cause: the
+        failure reported first is usually its echo (a collective with it broke), and the line must name the
+        lost rank and its node (``rank 2 (node 1: ranks 2, 3) closed its control channel``) whichever rank
+        noticed first. A rank that left with a line after the failure is not a cause."""
+        try:
+            return self.hub.poll(0.05)
+        except LostRank as lost:
+            if self._failing is None or not left_a_reason(self.out, lost.rank):
+                raise
+            self.hub.retire(lost.rank)
+            return []
+
+    def wait_error(self, timeout: float) -> BaseException | None:
+        """The coordinator thread's failure, waiting up to ``timeout`` for one: the host rank's own failure may
+        be the echo of a rank that vanished, which only this thread's channels can tell (rank.py)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self.error is None and (left := deadline - time.monotonic()) > 0:
+                self._lock.wait(left)
+            return self.error
 
     def _check_alive(self, seen: dict[int, float], now: float, silent_s: float) -> None:
         """A rank that has not said bye and sent nothing, not even a heartbeat, for ``silent_s`` is dead:
@@ -261,8 +289,10 @@ class CoordinatorService:
                 self._on_bye(rank, msg, t)
             case m.Beat():
                 pass  # alive: its time is noted in _main
-            case m.Failed(line=line):  # the cause: fail now and close every channel, so every rank leaves
-                raise RankFailed(f"rank {rank} failed: {line}")
+            case m.Failed(line=line):  # the cause, unless a rank vanished within the grace (_poll); then every
+                if self._failing is None:  # channel closes, so every rank leaves
+                    self.hub.retire(rank)  # its own exit is not news
+                    self._failing = (time.monotonic() + LOST_PEER_GRACE_S, RankFailed(f"rank {rank} failed: {line}"))
             case _:
                 role = "producer" if producer else "drafter"
                 raise m.ProtocolError(f"rank {rank} ({role}) sent {type(msg).__name__}, which a {role} never sends")
