@@ -8,7 +8,7 @@ import time
 import pytest
 
 from dflash.pipeline import messages as m
-from dflash.pipeline.channel import _HEADER, ChannelError, Hub, connect
+from dflash.pipeline.channel import _HEADER, ChannelError, Hub, LostRank, connect
 from dflash.pipeline.transport import TensorMeta
 
 
@@ -40,8 +40,9 @@ def poll_until(hub: Hub, want: int, timeout: float = 10) -> list[tuple[int, dict
 def test_a_rank_that_closes_without_retiring_fails_the_poll_naming_it(hub_and_ranks) -> None:
     hub, ranks = hub_and_ranks
     ranks[1].close()
-    with pytest.raises(ChannelError, match="rank 1 closed its control channel"):
+    with pytest.raises(ChannelError, match="rank 1 closed its control channel") as e:
         poll_until(hub, 1)
+    assert isinstance(e.value, LostRank) and e.value.rank == 1  # the coordinator tells a vanished rank by it
 
 
 def test_a_retired_rank_may_leave_while_its_peers_still_talk(hub_and_ranks) -> None:
