@@ -44,6 +44,7 @@ control record.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 from collections import deque
@@ -121,8 +122,8 @@ class ShadowBuffer:
     their differences are the size's, not the noise's. Pure counts: no items, no bytes, no clock.
     """
 
-    __slots__ = ("by_phase", "counts", "depth", "expected_h", "heads", "last", "n_taken", "policy", "rng", "seq",
-                 "size", "stride", "taken", "window")
+    __slots__ = ("by_phase", "counts", "depth", "expected_h", "heads", "last", "log_w", "n_taken", "policy", "rng",
+                 "seq", "size", "stride", "taken", "window", "xlogx")
 
     def __init__(self, size: int, policy_name: str, mix: Sequence[float], window: int, horizon: int,
                  expected_h: float, seed: int, phases: int = 1) -> None:
@@ -137,36 +138,42 @@ class ShadowBuffer:
         self.last = [-1] * window  # the buckets of the last ``window`` takes, a ring (-1: none yet)
         self.taken = [0] * len(mix)  # their counts
         self.n_taken = 0
+        self.xlogx, self.log_w = _xlogx(window), math.log(window)
         # the windows of each phase (window ends k, k + n, k + 2n, ... for n phases): each phase tiles the
         # takes into consecutive windows, as a run's metric tiles them from wherever its span starts
         self.by_phase: list[deque[float]] = [deque(maxlen=horizon) for _ in range(window // self.stride)]
 
     def arrive(self, bucket: int) -> None:
         self.counts[bucket] += 1
-        self.heads[bucket].append(self.seq)
-        self.seq += 1
+        policy = self.policy
+        needs_heads = policy.needs_heads  # arrival numbers only for the policies that read the oldest items
+        if needs_heads:
+            self.heads[bucket].append(self.seq)
+            self.seq += 1
         self.depth += 1
         if self.depth < self.size:
             return
-        policy = self.policy
-        heads = [q[0] if q else NO_HEAD for q in self.heads] if policy.needs_heads else ()
+        heads = [q[0] if q else NO_HEAD for q in self.heads] if needs_heads else ()
         b = policy.choose(self.counts, heads, self.depth, self.rng)
         self.counts[b] -= 1
-        self.heads[b].popleft()
+        if needs_heads:
+            self.heads[b].popleft()
         self.depth -= 1
         if policy.stateful:
             policy.on_take(b, 1)
         last, taken, n = self.last, self.taken, self.n_taken
         slot = n % self.window
-        if last[slot] >= 0:
-            taken[last[slot]] -= 1
+        old = last[slot]
+        if old >= 0:
+            taken[old] -= 1
         last[slot] = b
         taken[b] += 1
-        n += 1
-        self.n_taken = n
-        if n >= self.window and n % self.stride == 0:  # a window ends: its phase is its end's place in W
+        self.n_taken = n = n + 1
+        if n % self.stride == 0 and n >= self.window:  # a window ends: its phase is its end's place in W
+            xlogx = self.xlogx  # H = ln W - sum(c ln c) / W, from a table: this runs every W / PHASES takes
+            h = self.log_w - sum([xlogx[c] for c in taken]) / self.window
             by_phase = self.by_phase
-            by_phase[n // self.stride % len(by_phase)].append(entropy(taken) / self.expected_h)
+            by_phase[n // self.stride % len(by_phase)].append(h / self.expected_h)
 
     @property
     def windows(self) -> int:
@@ -176,6 +183,12 @@ class ShadowBuffer:
     def interval(self, z: float) -> tuple[float, float]:
         """(mean, lower end) of this size's rolling mix_efficiency (:func:`shadow_interval`)."""
         return shadow_interval([self], z)
+
+
+@functools.cache
+def _xlogx(window: int) -> tuple[float, ...]:
+    """c ln c for c = 0..window (0 ln 0 = 0)."""
+    return tuple(c * math.log(c) if c else 0.0 for c in range(window + 1))
 
 
 def window_stride(window: int, phases: int) -> int:
@@ -200,15 +213,21 @@ def shadow_interval(replicas: Sequence[ShadowBuffer], z: float, phase_margin: fl
     The controller cannot know the metric's start, so it aims at the mean over tilings, with a margin
     measured from their spread.
     """
-    phase_means = []
-    for p in range(len(replicas[0].by_phase)):
-        values = [e for sh in replicas for e in sh.by_phase[p] if math.isfinite(e)]
-        if len(values) < 2:
-            return math.nan, math.nan
-        phase_means.append(sum(values) / len(values))
-    mean = sum(phase_means) / len(phase_means)
-    one_mean, one_lower = _interval([e for sh in replicas for e in sh.by_phase[0]], z)
-    return mean, mean - phase_margin * (mean - min(phase_means)) - (one_mean - one_lower)
+    n_phases = len(replicas[0].by_phase)
+    totals, counts = [0.0] * n_phases, [0] * n_phases
+    for sh in replicas:
+        for p, q in enumerate(sh.by_phase):
+            totals[p] += sum(q)
+            counts[p] += len(q)
+    if min(counts) < 2:
+        return math.nan, math.nan
+    phase_means = [t / c for t, c in zip(totals, counts, strict=True)]
+    mean = sum(phase_means) / n_phases
+    lower = mean - phase_margin * (mean - min(phase_means))
+    if z:
+        one_mean, one_lower = _interval([e for sh in replicas for e in sh.by_phase[0]], z)
+        lower -= one_mean - one_lower
+    return mean, lower
 
 
 def _interval(values: Sequence[float], z: float) -> tuple[float, float]:
