@@ -69,6 +69,8 @@ SMOOTH = 0.5  # weight of the newest estimate of the size needed (in log space) 
 PLATEAU = 0.02  # when no size meets the target: the smallest this close to the best mix (more buys little)
 # The shadows' windows end every W / PHASES takes, so each size is judged over PHASES tilings of its takes
 # (shadow_interval says why); PHASE_MARGIN of the gap between the mean and the worst tiling is the margin.
+# On the target-bound example (packaged ShareGPT, seeds 0-5) a margin of 0 let one seed's run mix fall to
+# 0.937, and 1 (the worst tiling) cost as much memory as one tiling per shadow (RESULTS.md).
 PHASES = 4
 PHASE_MARGIN = 0.25
 # The shadows' interval, mean - Z standard errors, is what must meet the target. Z = 0.5 cost
@@ -208,9 +210,9 @@ def shadow_interval(replicas: Sequence[ShadowBuffer], z: float, phase_margin: fl
     (``[metrics] warmup_s``), and where the arrivals have a period near the window (a length-grouped
     loader's mega-batch of 2 W items) that start alone moves the measured mix: on the H200 target-bound
     example 15/45 reads 0.904 to 0.971 on seed 0 as warmup_s moves over 568..628 s, 0.940 on average
-    (benchmarks/window_phase.py). One tiling per shadow, as before, judged each size at its own phase
-    (a shadow of size k tiles from arrival k), so the sizes' mixes zigzagged by the phase, not the size.
-    The controller cannot know the metric's start, so it aims at the mean over tilings, with a margin
+    (benchmarks/window_phase.py). With one tiling per shadow each size is judged at its own phase (a
+    shadow of size k tiles from arrival k), so the sizes' mixes zigzag by the phase, not the size. The
+    controller cannot know the metric's start, so it aims at the mean over tilings, with a margin
     measured from their spread.
     """
     n_phases = len(replicas[0].by_phase)
