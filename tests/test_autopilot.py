@@ -23,6 +23,7 @@ from dflash.core.autopilot import (
     QueueState,
     ShadowBuffer,
     ladder,
+    window_stride,
 )
 from dflash.core.config import QueueConfig, load_config, with_overrides
 from dflash.core.errors import ConfigError
@@ -114,6 +115,37 @@ def test_a_bigger_shadow_buffer_mixes_grouped_arrivals_better():
         means.append(sh.interval(0.0)[0])
     assert means[0] < means[1] < means[2]
     assert means[0] < 0.6 and means[2] > 0.85
+
+
+def sorted_mega_batches(n: int, mega: int = 64, seed: int = 0) -> list[int]:
+    """A length-grouped loader's order: mega-batches of ``mega`` i.i.d. items, each sorted (a sawtooth)."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    while len(out) < n:
+        out += sorted(rng.choices(range(len(MIX)), weights=MIX, k=mega))
+    return out[:n]
+
+
+def test_a_shadow_judges_every_tiling_so_where_its_windows_start_does_not_move_its_mix():
+    """Mega-batches of 2 W sorted items: the mix of one tiling into windows of W depends on where the
+    tiling starts (a run's metric starts it at warmup_s); the mean over PHASES tilings does not, and it
+    is the single tilings' mean. The lower end sits below the mean by a share of the worst tiling's gap."""
+    arrivals = sorted_mega_batches(64 * 60)
+    eh = expected_window_entropy(MIX, 32)
+    by_phases: dict[int, list[tuple[float, float]]] = {}
+    for phases in (1, 4):
+        for offset in range(0, 32, 4):  # the same arrivals, the tilings starting 0..28 takes later
+            sh = ShadowBuffer(8, "random_item", MIX, 32, 1000, eh, seed=3, phases=phases)
+            for b in arrivals[offset:]:
+                sh.arrive(b)
+            by_phases.setdefault(phases, []).append(sh.interval(0.0))
+    one = [m for m, _ in by_phases[1]]
+    four = [m for m, _ in by_phases[4]]
+    assert max(one) - min(one) > 0.04  # one tiling: 0.804..0.861 measured
+    assert max(four) - min(four) < (max(one) - min(one)) / 4  # four tilings: 0.834..0.841
+    assert abs(sum(four) / len(four) - sum(one) / len(one)) < 0.01
+    assert all(lo < m for m, lo in by_phases[4]) and all(lo == m for m, lo in by_phases[1])
+    assert window_stride(32, 4) == 8 and window_stride(2, 4) == 1 and window_stride(30, 4) == 6
 
 
 # ---------------------------------------------------------------------------- the controller
