@@ -173,6 +173,14 @@ HOSTILE = ['{"serial": 3, "queue": "garbage"}', '[1, 2, 3]', '{"serial": 4, "que
            '{"serial": 5, "queue": {"no_such_knob": 1}}', "\x00\xff not json", '{"serial": 6, "queue": {}}']
 
 
+def _put(path: Path, text: str) -> None:
+    """Replace the file whole, as an operator's tool does: the watcher must never read it half-written (on a
+    loaded machine it did, and a torn file is a malformed one, recorded instead of the content under test)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> Path:
     """`dflash train` (1 + 1 ranks) while an operator re-tunes it: a good change at step 6, a bad one
@@ -198,7 +206,7 @@ def live_run(tmp_path_factory: pytest.TempPathFactory, run_inputs) -> Path:
         _wait("six more steps", lambda: _lines(steps) >= at + 6, proc)
         recorded("the bad change", lambda: write_control(out, {"min_ready": 50}, serial=2))
         for k, text in enumerate(HOSTILE):
-            recorded(f"hostile control file {k}", lambda text=text: (out / "control.json").write_text(text))
+            recorded(f"hostile control file {k}", lambda text=text: _put(out / "control.json", text))
         at = _lines(steps)
         _wait("three more steps", lambda: _lines(steps) >= at + 3, proc)
     return out
