@@ -23,10 +23,14 @@ mix_efficiency.
     python benchmarks/mix_vs_quality.py                    # --profile cpu: <= 60 minutes on 2 cores
     python benchmarks/mix_vs_quality.py --profile gpu      # examples/gpu-smollm2-learning.toml's data/shape
 
-``--steps N`` sets the steps of every run; ``--minutes M`` bounds the whole benchmark: each run gets
-``--max-minutes`` of its share of what is left (the trainer's own stop; the comparison step is then the
-last scored step all runs reached). Prints one ``mix-vs-quality:`` line and writes it, with the resolve
-verdict, into benchmarks/RESULTS.md (``--no-record``: print only). Bad flags: one line, exit status 2.
+``--steps N`` sets the steps of every run; ``--minutes M`` bounds the whole benchmark: each run gets its
+share of what is left, wall clock, and a run still training then is stopped by SIGTERM (with a checkpoint;
+not ``--max-minutes``, whose time-based learning-rate schedule would make the machine's load decide each
+run's decay); the comparison step is then the last scored step all runs reached. Prints one
+``mix-vs-quality:`` line and writes it, with the resolve verdict, into benchmarks/RESULTS.md
+(``--no-record``: print only). Bad flags: one line, exit status 2. Run again with the same ``--out`` and
+flags, it reuses the sweep's pick and every run that reached ``--steps`` and trains the others again (a
+run cut short is kept aside as ``RUN.cut-TIME``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -150,8 +155,8 @@ def parse_args(argv: list[str] | None = None) -> Plan:
     except ConfigError as exc:
         raise UsageError(f"--config {base}: {exc}") from None
     out = Path(a.out) if a.out else Path(f"/tmp/mix-vs-quality-{a.profile}-{os.getpid()}")
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"--out must be a new or empty directory (got {out})")
+    if out.exists() and any(out.iterdir()) and not (out / "sweep.toml").is_file():
+        raise UsageError(f"--out must be a new or empty directory, or an earlier run's of this benchmark (got {out})")
     return Plan(profile=a.profile, base=base, steps=steps, quality_every=every, quality_per_bucket=per_bucket,
                 minutes=a.minutes if a.minutes is not None else prof.minutes, trials=trials, out=out,
                 record=not a.no_record, overrides=prof.overrides, seeds=a.seeds)
@@ -178,10 +183,20 @@ def write_config(plan: Plan, path: Path, queue: dict[str, Any] | None = None,
     return path
 
 
-def dflash(args: list[str], log: Path, env: dict[str, str], what: str) -> None:
+def dflash(args: list[str], log: Path, env: dict[str, str], what: str, stop_after_s: float | None = None) -> None:
+    """One verb. ``stop_after_s``: a wall-clock cap that stops a training run the way a cluster does (SIGTERM:
+    it stops after its step with a checkpoint, exit 143), rather than by ``--max-minutes``, which would also
+    give the run a time-based learning-rate schedule: then how loaded the machine was would decide when each
+    run's rate decays, and runs at equal steps would not be comparable."""
     cmd = [sys.executable, "-m", "dflash", *args]
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            rc = proc.wait(timeout=stop_after_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait()
+            rc = 0 if rc == 143 else rc  # stopped by the cap: compared at the last step every run scored
     if rc != 0:
         tail = [x for x in log.read_text(errors="replace").splitlines() if x.strip()][-1:] or ["(no output)"]
         raise RunFailed(f"mix_vs_quality: {what} failed (exit {rc}): {tail[0]} (log {log})")
@@ -191,6 +206,8 @@ def sweep_pick(plan: Plan, env: dict[str, str]) -> tuple[str, dict[str, Any], di
     """Run ``dflash sweep`` on the base configuration; its selection's first entry (the knee)."""
     cfg = write_config(plan, plan.out / "sweep.toml")
     sweep_dir = plan.out / "sweep"
+    if (sweep_dir / "selection.json").is_file():  # a rerun in the same work directory: its pick stands
+        return pick_from_selection(json.loads((sweep_dir / "selection.json").read_text()))
     dflash(["sweep", "--config", str(cfg), "--trials", str(plan.trials), "--out", str(sweep_dir)],
            plan.out / "sweep.log", env, "sweep")
     return pick_from_selection(json.loads((sweep_dir / "selection.json").read_text()))
@@ -215,13 +232,27 @@ def train_one(plan: Plan, name: str, cfg: Path, env: dict[str, str], cap_minutes
     from dflash.pipeline.heldout import STATES_FILE, adopt_states, publish_states
 
     run = plan.out / "runs" / name
+    if finished(run, plan.steps):  # a rerun in the same work directory keeps every run that reached --steps
+        print(f"mix_vs_quality: {name}: reused (it reached {plan.steps} steps)", flush=True)
+        return run
+    if run.exists():  # cut short (the cap, a kill): kept aside as evidence, trained again from the start
+        run.rename(run.with_name(f"{name}.cut-{time.strftime('%Y%m%dT%H%M%S')}"))
     adopt_states(plan.out / STATES_FILE, run)
     args = ["train", "--config", str(cfg), "--out", str(run), "--max-steps", str(plan.steps), "--wandb", "disabled"]
-    if cap_minutes is not None:
-        args += ["--max-minutes", f"{cap_minutes:.2f}"]
-    dflash(args, plan.out / f"train-{name}.log", env, f"train ({name})")
+    dflash(args, plan.out / f"train-{name}.log", env, f"train ({name})",
+           None if cap_minutes is None else 60.0 * cap_minutes)
     publish_states(run, plan.out / STATES_FILE)
     return run
+
+
+def finished(run: Path, steps: int) -> bool:
+    """Whether ``run`` is a finished run of exactly ``steps`` steps (its last summary says so)."""
+    from dflash.core.records import read_records
+
+    if not (run / "summary.jsonl").is_file():
+        return False
+    last = (list(read_records(run, "summary")) or [{}])[-1]
+    return last.get("steps") == steps and last.get("stopped_by") == "max_steps"
 
 
 def slug(label: str) -> str:
@@ -380,9 +411,13 @@ def run_benchmark(plan: Plan, command: str) -> dict[str, Any]:
         cap = None
         if plan.minutes is not None:
             left = plan.minutes - (time.perf_counter() - t0) / 60
-            cap = max(0.5, left / (len(jobs) - k) - 2.0)  # ~2 min of each run is start-up and held-out states
+            cap = max(0.5, left / (len(jobs) - k))  # wall clock: start-up and the held-out states included
         tag = slug(name) + (f"-seed{r}" if r else "")
+        before = (plan.out / f"{tag}.toml").read_text() if (plan.out / f"{tag}.toml").is_file() else None
         cfg = write_config(plan, plan.out / f"{tag}.toml", q, sp, replicate=r)
+        if before is not None and before != cfg.read_text():
+            raise RunFailed(f"mix_vs_quality: {plan.out} holds runs of other settings ({cfg.name} differs): "
+                            "use a new --out")
         t = time.perf_counter()
         run = train_one(plan, tag, cfg, env, cap)
         print(f"mix_vs_quality: {name}{f' (seed +{r})' if r else ''}: {time.perf_counter() - t:.0f} s", flush=True)

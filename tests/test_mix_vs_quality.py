@@ -135,3 +135,11 @@ def test_the_benchmark_runs_the_sweep_and_four_real_rank_jobs_on_one_heldout_set
         assert r["per_bucket"] and "loss_roughness" in r and "mix_efficiency" in r
     assert "resolved: paired over " in proc.stdout and "per configuration, acceptance: " in proc.stdout
     assert res["seeds"] == 1 and res["pairs"] and all(p["seeds"] == [1, 1] for p in res["pairs"])
+    # Again in the same work directory, one run cut short: the sweep's pick and the finished runs are reused,
+    # the cut run is kept aside and trained again, and the comparison is the same.
+    cut = Path(res["rows"][1]["run"])
+    (cut / "summary.jsonl").write_text("")
+    again = subprocess.run(proc.args, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.count(": reused (it reached 4 steps)") == 3 and list(cut.parent.glob(f"{cut.name}.cut-*"))
+    assert json.loads((out / "mix_vs_quality.json").read_text())["rows"][0] == res["rows"][0]
