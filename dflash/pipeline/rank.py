@@ -157,7 +157,7 @@ def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: Ba
     line = " ".join(f"rank {rank} ({role}, pid {os.getpid()}): {what}".split())
     if not (out / RANKS_DIR).is_dir():  # a node that cannot see the run directory (dflash.pipeline.rundir): say it
         if not os.environ.get(LAUNCHED_BY_DFLASH) or os.environ.get("LOCAL_RANK", "0") == "0":  # dflash's: once
-            print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
+            _say_error(line)
         return
     if not isinstance(exc, ConfigError):  # the one line says what; the file says where
         tb = out / RANKS_DIR / f"rank-{rank}.traceback"
@@ -170,8 +170,23 @@ def _report_failure(out: Path, rank: int, spec: RunSpec, status: Status, exc: Ba
     status(f"failed: {what}")
     status.flush()
     if not os.environ.get(LAUNCHED_BY_DFLASH):  # under torchrun nobody else prints it
-        print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
+        _say_error(line)
     return line
+
+
+def _say_error(line: str) -> None:
+    """The rank's one line on stderr, in one write. The ranks of a node share their agent's stderr, and
+    ``print`` writes the text and its newline separately: two ranks failing at once (the run-directory check
+    fails on every rank) then ran their lines together ("...the same path)dflash train: error: rank 0 ..."),
+    and the second no longer began a line. One write of at most PIPE_BUF bytes to a pipe is atomic."""
+    sys.stderr.flush()
+    data = f"dflash train: error: {line}\n".encode(errors="replace")
+    try:
+        fd = sys.stderr.fileno()
+        while data:
+            data = data[os.write(fd, data):]
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a library caller's captured stderr)
+        print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
 
 
 def _leave_together(timeout_s: float = 30.0) -> None:
