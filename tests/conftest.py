@@ -20,6 +20,14 @@ from dflash.core.queue_core import QueueItem
 
 ALL_POLICIES = sorted(POLICY_CLASSES)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of the test command's two workers (pytest -n 2)
+    # Two workers share the machine's cores. torch's OpenMP threads spin while they wait, and two spinning
+    # pools on two cores made the in-process decoding tests 25x slower (tests/test_heldout.py: 57 s under
+    # `-n 2`, 2 s alone). One thread a worker, and idle threads that sleep (inherited by the rank jobs the
+    # tests start, which set their own thread counts), before any test module loads torch.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Per-sequence shares docs/REFERENCE.md measured on the packaged ShareGPT (max_len 2048).
 SHAREGPT_SHARES = (0.024, 0.030, 0.102, 0.161, 0.684)
 SHAREGPT_BOUNDS = (128, 256, 512, 1024, 2048)
