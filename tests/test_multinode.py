@@ -95,9 +95,6 @@ def wait_for(what: Callable[[], bool], procs: list[subprocess.Popen], timeout: f
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(  # issue #35 stays open for it
-    "still flaky in a full slow-set run (failed there at 175669d after passing 13 of 14 reruns alone; the "
-    "store-hosting race is fixed, the remaining cause is not yet known)"))
 def test_two_nodes_use_a_plane_per_pair_lose_a_node_and_resume_each_item_once(tmp_path: Path,
                                                                              run_inputs) -> None:  # noqa: F811
     """Node 1's agent is SIGKILLed after a checkpoint; node 0 stops within 30 s naming node 1's ranks;
@@ -112,6 +109,7 @@ def test_two_nodes_use_a_plane_per_pair_lose_a_node_and_resume_each_item_once(tm
     stopped_s = time.monotonic() - t_kill
     agents[1].communicate()
     seen = f"after {stopped_s:.1f} s, exit {survivor.returncode}:\n{survivor.stderr[-3000:]}"  # CI's only view
+    print(f"node 1 lost: node 0 stopped {stopped_s:.1f} s after the kill")  # the figure the notes state (-s)
     assert survivor.returncode != 0 and stopped_s < 30, seen
     assert "(node 1: ranks 2, 3)" in survivor.stderr, seen  # the lost node and its ranks, by the coordinator
     said = survivor.stdout
