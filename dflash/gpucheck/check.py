@@ -393,7 +393,8 @@ def print_learning(res: dict[str, Any]) -> None:
           f"total {f(res.get('wall_s'), '.0f')} s")
     he = res.get("humaneval") or {}
     he_ci = he.get("tau_ci95") or [None, None]
-    print(f"humaneval tau {f(he.get('tau'))} [{f(he_ci[0])}, {f(he_ci[1])}] on {he.get('prompts', 0)} of 164 prompts"
+    print(f"humaneval tau {f(he.get('tau'))} [{f(he_ci[0])}, {f(he_ci[1])}] on {he.get('prompts', 0)} of "
+          f"{he.get('size', '?')} prompts"
           if he.get("tau") is not None else f"humaneval tau: n/a ({he.get('reason', 'not run')})")
     _print_fallback(res)
 
