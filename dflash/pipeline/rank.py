@@ -179,14 +179,15 @@ def _say_error(line: str) -> None:
     ``print`` writes the text and its newline separately: two ranks failing at once (the run-directory check
     fails on every rank) then ran their lines together ("...the same path)dflash train: error: rank 0 ..."),
     and the second no longer began a line. One write of at most PIPE_BUF bytes to a pipe is atomic."""
+    text = f"dflash train: error: {line}\n"
     sys.stderr.flush()
-    data = f"dflash train: error: {line}\n".encode(errors="replace")
     try:
-        fd = sys.stderr.fileno()
+        fd, data = sys.stderr.fileno(), text.encode(errors="replace")
         while data:
             data = data[os.write(fd, data):]
     except (OSError, ValueError, AttributeError):  # no file descriptor (a library caller's captured stderr)
-        print(f"dflash train: error: {line}", file=sys.stderr, flush=True)
+        sys.stderr.write(text)
+        sys.stderr.flush()
 
 
 def _leave_together(timeout_s: float = 30.0) -> None:
